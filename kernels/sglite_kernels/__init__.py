@@ -1,0 +1,13 @@
+"""Triton kernels of sglite. They depend on torch and triton only, never on sglite.
+
+Layout shared by all launchers: KV pool buffers are [num_slots, Hkv, D] indexed by slot id;
+a request's cached tokens are addressed CSR-style (``kv_indptr`` [B+1], ``kv_indices`` the
+flattened slot ids), which covers any page size. Every launcher validates shapes, dtypes,
+devices and strides on the host and raises ValueError on a broken contract.
+"""
+
+from .decode_attention import decode_attention, num_kv_splits
+from .extend_attention import extend_attention
+from .kv_store import store_kv
+
+__all__ = ["decode_attention", "extend_attention", "num_kv_splits", "store_kv"]
