@@ -8,6 +8,7 @@ and splits are crossed. The ``gpu`` cases repeat them at full sizes with bf16 to
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import sys
 from pathlib import Path
@@ -15,9 +16,15 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))
-
-from sglite_kernels import decode_attention, extend_attention, num_kv_splits, store_kv  # noqa: E402
+if importlib.util.find_spec("sglite_kernels") is None:  # source checkout, not pip-installed
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))
+from sglite_kernels import (  # noqa: E402
+    decode_attention,
+    extend_attention,
+    fill_kv_indices,
+    num_kv_splits,
+    store_kv,
+)
 
 CUDA = torch.cuda.is_available()
 gpu = pytest.mark.gpu
@@ -81,6 +88,23 @@ def test_store_kv_scatters_rows(dtype):
     untouched[loc] = False
     assert torch.equal(pool.k[untouched], before_k[untouched])
     assert torch.equal(pool.v[untouched], before_v[untouched])
+
+
+# ---------------------------------------------------------------- fill_kv_indices
+
+
+@pytest.mark.parametrize("table_dtype", [torch.int32, torch.int64])
+def test_fill_kv_indices_flattens_table_rows(table_dtype):
+    req_to_token = torch.randint(0, 1000, (6, 700), dtype=table_dtype)
+    rows = torch.tensor([4, 1, 5, 2])
+    lens = torch.tensor([0, 3, 600, 1])
+    kv_indptr = torch.zeros(5, dtype=torch.int64)
+    kv_indptr[1:] = lens.cumsum(0)
+    kv_indices = torch.full((610,), -1, dtype=torch.int32)
+    fill_kv_indices(req_to_token, rows, lens, kv_indptr, kv_indices)
+    expected = torch.cat([req_to_token[r, :n] for r, n in zip(rows, lens)])
+    assert torch.equal(kv_indices[:604], expected.to(torch.int32))
+    assert (kv_indices[604:] == -1).all()
 
 
 # ---------------------------------------------------------------- decode

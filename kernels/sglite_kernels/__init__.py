@@ -8,6 +8,13 @@ devices and strides on the host and raises ValueError on a broken contract.
 
 from .decode_attention import decode_attention, num_kv_splits
 from .extend_attention import extend_attention
+from .kv_indices import fill_kv_indices
 from .kv_store import store_kv
 
-__all__ = ["decode_attention", "extend_attention", "num_kv_splits", "store_kv"]
+__all__ = [
+    "decode_attention",
+    "extend_attention",
+    "fill_kv_indices",
+    "num_kv_splits",
+    "store_kv",
+]

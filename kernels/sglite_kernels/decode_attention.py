@@ -31,8 +31,8 @@ from ._common import (
     check_same_dtype,
     dot_in_fp32,
     dot_precision,
-    tile_dot,
     next_pow2,
+    tile_dot,
 )
 
 _LOG2E = 1.4426950408889634
@@ -151,7 +151,7 @@ def _decode_stage2(
     MidO,
     MidLse,
     NumSplits,
-    O,
+    Out,
     stride_mob,
     stride_moh,
     stride_mos,
@@ -182,7 +182,7 @@ def _decode_stage2(
     )
     total = tl.sum(w, 0)
     out = tl.sum(part * w[:, None], 0) / tl.where(total > 0, total, 1.0)
-    tl.store(O + b * stride_ob + h * stride_oh + offs_d, out.to(O.dtype.element_ty))
+    tl.store(Out + b * stride_ob + h * stride_oh + offs_d, out.to(Out.dtype.element_ty))
 
 
 def _stage1_config(head_dim: int) -> tuple[int, int, int]:
@@ -206,7 +206,10 @@ def decode_attention(
     sm_scale: float,
     mid_o: torch.Tensor | None = None,
     mid_lse: torch.Tensor | None = None,
+    *,
     block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """o[b] = softmax(q[b] . K_b^T * sm_scale) V_b over request b's slots; returns o.
 
@@ -214,7 +217,8 @@ def decode_attention(
     kv_indices: slot ids; num_kv_splits: [B] in 1..max_splits (see ``num_kv_splits``; values
     outside are clamped on the device).
     mid_o [B, Hq, max_splits, D] / mid_lse [B, Hq, max_splits] (fp32) are scratch: pass them
-    to avoid an allocation per call (CUDA-graph capture). block_n overrides the tile length.
+    to avoid an allocation per call (CUDA-graph capture). block_n, num_warps and num_stages
+    override stage 1's launch config (tests use small tiles; the bench sweeps them).
     """
     check_float("q", q, 3)
     check_float("o", o, 3)
@@ -263,8 +267,10 @@ def decode_attention(
         return o
 
     group = num_q_heads // num_kv_heads
-    cfg_block_n, num_warps, num_stages = _stage1_config(head_dim)
+    cfg_block_n, cfg_warps, cfg_stages = _stage1_config(head_dim)
     block_n = block_n or cfg_block_n
+    num_warps = num_warps or cfg_warps
+    num_stages = num_stages or cfg_stages
     _decode_stage1[(batch, num_kv_heads, max_splits)](
         q,
         k_buffer,

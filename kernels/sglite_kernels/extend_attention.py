@@ -38,7 +38,7 @@ def _extend_kernel(
     Q,
     K,
     V,
-    O,
+    Out,
     KBuf,
     VBuf,
     QoIndptr,
@@ -123,7 +123,7 @@ def _extend_kernel(
                 other=0.0,
             )
             qk = tile_dot(q, tl.trans(k), DOT_FP32, PRECISION) * sm_scale_log2
-            visible = mask_n[None, :] & (offs_n[None, :] < offs_m[:, None] + 1 - (offs_m[:, None] > 3))
+            visible = mask_n[None, :] & (offs_n[None, :] <= offs_m[:, None])
             qk = tl.where(visible, qk, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))
             alpha = tl.exp2(m_i - m_new)
@@ -139,8 +139,8 @@ def _extend_kernel(
 
         out = acc / l_i[:, None]
         tl.store(
-            O + rows_m[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
-            out.to(O.dtype.element_ty),
+            Out + rows_m[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
+            out.to(Out.dtype.element_ty),
             mask=mask_m[:, None],
         )
 

@@ -1,0 +1,1 @@
+"""Model building blocks: linear layers, norms, rotary embedding, embeddings, attention."""

@@ -1,0 +1,28 @@
+"""From the last hidden states of a forward to float32 logits: pick the rows, apply the LM head."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from sglite.layers.vocab_parallel_embedding import ParallelLMHead
+    from sglite.model_executor.forward_batch import ForwardBatch
+
+
+class LogitsProcessor(nn.Module):
+    """Extend batches keep the last token of each request (or all of them with
+    `batch.return_all_logits`); decode batches have exactly one token per request."""
+
+    def forward(
+        self, hidden: torch.Tensor, lm_head: ParallelLMHead, batch: ForwardBatch
+    ) -> torch.Tensor:
+        if batch.forward_mode.is_extend() and not batch.return_all_logits:
+            lens = batch.extend_seq_lens_cpu
+            if len(lens) != hidden.shape[0] or max(lens) != 1:
+                last = torch.from_numpy(np.cumsum(lens) - 1).to(hidden.device)
+                hidden = hidden.index_select(0, last)
+        return lm_head(hidden).float()

@@ -1,0 +1,187 @@
+"""CacheManager: glue between the radix tree, the page allocator and the request-to-slot table.
+
+Contract (who locks, who frees; see scheduler/req.py for the ownership of a row):
+- `match(req)`: match the request's fill ids, capped at fill_len - 1 so one token is always
+  computed; records match_len/match_node/match_slots on the request, locks nothing.
+- Admission locks `req.match_node` (the PrefillAdder does it while charging the candidate);
+  `alloc_extend(entries)` then gives each request a row (if it has none), writes the matched
+  prefix into the row and allocates the new positions page-continuing, evicting from the tree
+  when the allocator runs short. It returns the new slots, or None (nothing changed).
+- `checkpoint(req, up_to)`: after a prefill or chunk: insert fill[:up_to] into the tree, free
+  our duplicate slots, rewrite the row to the tree's slots, move the lock to the new node.
+- `release(req, insert=True)`: on finish, insert prompt + output (tokens with KV) and free
+  the rest of the row; on retraction (insert=False) free everything the request owns.
+- With the radix cache disabled nothing is ever matched or inserted.
+Invariant at idle: free + evictable + protected == capacity (`check_idle`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from sglite.scheduler.req import Req
+
+
+class CacheManager:
+    def __init__(self, tree, allocator, req_to_token_pool, page_size: int, enabled: bool = True):
+        self.tree = tree
+        self.allocator = allocator
+        self.req_to_token_pool = req_to_token_pool
+        self.page_size = page_size
+        self.enabled = enabled
+        self.num_evicted_tokens = 0
+        # The scheduler writes slots into a host table. On CPU it is the pool's own tensor
+        # (shared memory); on a device it is a mirror whose rows travel with each batch.
+        t = req_to_token_pool.req_to_token
+        self.mirrored = getattr(t, "device", None) is not None and t.device.type != "cpu"
+        if self.mirrored:
+            self.table = np.zeros(tuple(t.shape), dtype=np.int32)
+        else:
+            self.table = t.numpy() if hasattr(t, "numpy") else t
+
+    # ---------------------------------------------------------------- matching
+    def match(self, req: Req) -> int:
+        if not self.enabled:
+            req.match_len, req.match_node, req.match_slots = 0, 0, None
+            return 0
+        fill = req.fill_ids
+        slots, node = self.tree.match_prefix(fill[: len(fill) - 1], req.extra_key)
+        req.match_len, req.match_node, req.match_slots = len(slots), node, slots
+        return len(slots)
+
+    def touch(self, req: Req) -> None:
+        """Refresh the LRU time of the request's cached prefix (no lock, no state)."""
+        if self.enabled:
+            self.tree.match_prefix(req.input_ids[: len(req.input_ids) - 1], req.extra_key)
+
+    def lock(self, node: int) -> None:
+        self.tree.lock(node)
+
+    def unlock(self, node: int) -> None:
+        self.tree.unlock(node)
+
+    def available_and_evictable(self) -> int:
+        return self.allocator.available_size() + self.tree.evictable_size()
+
+    # ---------------------------------------------------------------- allocation
+    def alloc_rows(self, reqs: list[Req]) -> bool:
+        need = [r for r in reqs if r.row is None]
+        if not need:
+            return True
+        rows = self.req_to_token_pool.alloc(len(need))
+        if rows is None:
+            return False
+        for req, row in zip(need, rows):
+            req.row = row
+            # the matched prefix becomes tree-owned positions of the row
+            n = req.match_len
+            if n:
+                self.table[row, :n] = req.match_slots
+            req.cached_len = req.kv_len = req.alloc_len = n
+            req.lock_node = req.match_node
+        return True
+
+    def alloc_extend(self, reqs: list[Req], starts: list[int], ends: list[int]) -> np.ndarray | None:
+        """Slots for positions [start, end) of each request (rows must exist)."""
+        last_locs = [int(self.table[r.row, s - 1]) if s > 0 else -1 for r, s in zip(reqs, starts)]
+        need = sum(e - s for s, e in zip(starts, ends)) + len(reqs) * self.page_size
+        self.evict_for(need)
+        slots = self.allocator.alloc_extend(starts, ends, last_locs)
+        if slots is None:
+            return None
+        pos = 0
+        for req, s, e in zip(reqs, starts, ends):
+            self.table[req.row, s:e] = slots[pos : pos + e - s]
+            pos += e - s
+            req.alloc_len = max(req.alloc_len, e)
+        return slots
+
+    def evict_for(self, num_tokens: int) -> None:
+        short = num_tokens - self.allocator.available_size()
+        if short > 0 and self.enabled:
+            freed = self.tree.evict(short)
+            if len(freed):
+                self.num_evicted_tokens += len(freed)
+                self.allocator.free(freed)
+
+    def can_decode(self, reqs: list[Req]) -> bool:
+        """Whether one more token for each request fits (evicting as needed)."""
+        ps = self.page_size
+        need = ps * sum(1 for r in reqs if r.alloc_len % ps == 0)
+        self.evict_for(need)
+        return self.allocator.available_size() >= need
+
+    # ---------------------------------------------------------------- publishing
+    def checkpoint(self, req: Req, up_to: int) -> None:
+        if not self.enabled:
+            return
+        aligned = up_to // self.page_size * self.page_size
+        if aligned <= req.cached_len:
+            return
+        key = req.fill_ids[:aligned]
+        row_slots = self.table[req.row, :aligned].astype(np.int64)
+        cached_len, node = self.tree.insert(key, row_slots, req.extra_key)
+        if cached_len > req.cached_len:
+            # we computed [cached_len_before, cached_len) again: the tree keeps its copy
+            self.allocator.free(row_slots[req.cached_len : cached_len])
+            tree_slots, _ = self.tree.match_prefix(key[:cached_len], req.extra_key)
+            self.table[req.row, req.cached_len : cached_len] = tree_slots[req.cached_len :]
+        self.tree.lock(node)
+        if req.lock_node is not None:
+            self.tree.unlock(req.lock_node)
+        req.lock_node = node
+        req.cached_len = aligned
+
+    def release(self, req: Req, insert: bool) -> None:
+        """Give back everything the request holds; with insert, publish its KV first."""
+        if req.row is None:
+            return
+        if insert:
+            self.checkpoint(req, min(req.kv_len, req.fill_len))
+        if req.alloc_len > req.cached_len:
+            self.allocator.free(self.table[req.row, req.cached_len : req.alloc_len].astype(np.int64))
+        if req.lock_node is not None:
+            self.tree.unlock(req.lock_node)
+        self.req_to_token_pool.free([req.row])
+        req.row = None
+        req.lock_node = None
+        req.cached_len = req.alloc_len = 0
+
+    # ---------------------------------------------------------------- checks
+    def held_tokens(self, running: list[Req]) -> int:
+        ps = self.page_size
+        held = 0
+        for r in running:
+            if r.row is not None and r.alloc_len > r.cached_len:
+                pages = np.unique(self.table[r.row, r.cached_len : r.alloc_len] // ps)
+                held += len(pages) * ps
+        return held
+
+    def check_conservation(self, running: list[Req]) -> None:
+        free = self.allocator.available_size()
+        evictable = self.tree.evictable_size() if self.enabled else 0
+        protected = self.tree.protected_size() if self.enabled else 0
+        held = self.held_tokens(running)
+        capacity = self.allocator.capacity()
+        if free + evictable + protected + held != capacity:
+            raise RuntimeError(
+                f"KV pool leak: free {free} + evictable {evictable} + protected {protected} + "
+                f"held {held} != capacity {capacity}"
+            )
+
+    def check_idle(self) -> None:
+        self.check_conservation([])
+        if self.enabled:
+            if self.tree.protected_size():
+                raise RuntimeError(f"{self.tree.protected_size()} tokens still locked at idle")
+            self.tree.sanity_check()
+        if self.req_to_token_pool.available_size() != self.req_to_token_pool.size:
+            raise RuntimeError("request rows leaked at idle")
+
+    def flush(self) -> None:
+        """Drop the whole cache (only when idle)."""
+        if self.enabled:
+            freed = self.tree.evict(self.tree.evictable_size())
+            if len(freed):
+                self.allocator.free(freed)
+            self.tree.reset()

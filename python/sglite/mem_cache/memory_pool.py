@@ -1,0 +1,129 @@
+"""Device memory of the KV cache: the request->slot table and the per-layer K/V buffers.
+
+Neither pool decides which slot is free: slot bookkeeping belongs to the tree core's
+`PageAllocator` (`sglite.core.load().PageAllocator`), and row bookkeeping is the only
+allocation done here (a free list of request rows).
+
+Reserved index 0 everywhere: row 0 of `req_to_token` and slot 0 / page 0 of the K/V buffers
+are padding targets (padded batch rows point at row 0, padded tokens write to slot 0), so
+the allocator hands out slots 1.. and the buffers have `num_slots + page_size` rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+
+class ReqToTokenPool:
+    """`req_to_token[row, pos]` is the KV slot of position `pos` of the request in `row`.
+
+    The scheduler owns the contents of a row: it writes the slots of the cached prefix and of
+    each newly allocated token before the forward that reads them.
+    """
+
+    def __init__(self, size: int, max_context_len: int, device: torch.device | str) -> None:
+        if size < 1 or max_context_len < 1:
+            raise ValueError(
+                f"ReqToTokenPool needs size >= 1 and max_context_len >= 1, "
+                f"got size={size}, max_context_len={max_context_len}"
+            )
+        self.size = size
+        self.max_context_len = max_context_len
+        self.device = torch.device(device)
+        self.req_to_token = torch.zeros(
+            (size + 1, max_context_len), dtype=torch.int32, device=self.device
+        )
+        # Pop from the tail: rows 1, 2, ... come out first.
+        self._free_rows = list(range(size, 0, -1))
+        self._is_free = np.ones(size + 1, dtype=bool)
+        self._is_free[0] = False
+
+    def available_size(self) -> int:
+        return len(self._free_rows)
+
+    def alloc(self, n: int) -> list[int] | None:
+        """Take `n` rows, or return None (changing nothing) when fewer are free."""
+        if n < 0:
+            raise ValueError(f"cannot allocate {n} request rows")
+        if n > len(self._free_rows):
+            return None
+        rows = [self._free_rows.pop() for _ in range(n)]
+        self._is_free[rows] = False
+        return rows
+
+    def free(self, rows: int | Sequence[int]) -> None:
+        rows = [rows] if isinstance(rows, int) else list(rows)
+        for row in rows:
+            if not 1 <= row <= self.size:
+                raise ValueError(f"request row {row} is not in 1..{self.size}")
+            if self._is_free[row]:
+                raise ValueError(f"request row {row} is already free (double free)")
+        self._is_free[rows] = True
+        self._free_rows.extend(reversed(rows))
+
+    def write(self, row: int, start: int, slots: torch.Tensor | np.ndarray | Sequence[int]) -> None:
+        """Set `req_to_token[row, start:start + len(slots)] = slots`."""
+        slots = torch.as_tensor(np.asarray(slots), dtype=torch.int32)
+        end = start + slots.numel()
+        if end > self.max_context_len:
+            raise ValueError(
+                f"request row {row} would hold {end} tokens; the context is {self.max_context_len}"
+            )
+        self.req_to_token[row, start:end] = slots.to(self.device, non_blocking=True)
+
+    def clear(self) -> None:
+        self._free_rows = list(range(self.size, 0, -1))
+        self._is_free[1:] = True
+
+
+class KVPool:
+    """Per-layer K and V buffers `[num_slots + page_size, num_kv_heads, head_dim]` (NHD).
+
+    Slot `s` of page `p` is row `p * page_size + s % page_size`; page 0 is never handed out.
+    """
+
+    def __init__(
+        self,
+        num_slots: int,
+        page_size: int,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        if num_slots < page_size or num_slots % page_size:
+            raise ValueError(
+                f"KV pool of {num_slots} slots is not a positive multiple of page_size {page_size}"
+            )
+        self.num_slots = num_slots
+        self.page_size = page_size
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.device = torch.device(device)
+        shape = (num_slots + page_size, num_kv_heads, head_dim)
+        self.k_buffer = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self.v_buffer = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+
+    @staticmethod
+    def bytes_per_slot(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * num_layers * num_kv_heads * head_dim * dtype.itemsize
+
+    def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Scatter this step's K/V (`[T, num_kv_heads, head_dim]`) to slots `loc` (`[T]`, int64)."""
+        self.k_buffer[layer_id].index_copy_(0, loc, k.to(self.dtype))
+        self.v_buffer[layer_id].index_copy_(0, loc, v.to(self.dtype))
+
+    def memory_bytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.k_buffer + self.v_buffer)
+
+
+def kv_slots_for_budget(budget_bytes: int, bytes_per_slot: int, page_size: int) -> int:
+    """How many slots (a multiple of page_size, one page kept for padding) fit in a budget."""
+    num_slots = budget_bytes // bytes_per_slot - page_size
+    return max(0, num_slots // page_size * page_size)

@@ -1,0 +1,114 @@
+"""Every record that crosses a process boundary, and the one codec that carries them.
+
+Flow: TokenizerManager --(GenerateReq, AbortReq, FlushCacheReq, GetStatsReq)--> Scheduler
+      Scheduler --(BatchTokenOutput)--> Detokenizer --(BatchTextOutput)--> TokenizerManager
+      Scheduler --(FlushCacheResp, StatsResp)--> Detokenizer, which forwards them unchanged.
+
+Finish reasons are plain dicts, as in the HTTP API:
+  {"type": "stop", "matched": <token id or stop string>}   (matched None: EOS without id)
+  {"type": "length", "length": N}
+  {"type": "abort", "message": "...", "status_code": 400|503|...}
+"""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass, field
+from typing import Any
+
+from sglite.sampling_params import SamplingParams
+
+
+@dataclass
+class GenerateReq:
+    """A tokenized, validated generation request."""
+
+    rid: str
+    input_ids: list[int]
+    sampling_params: SamplingParams
+    stream: bool = False
+    extra_key: str | None = None
+    input_text: str | None = None
+
+
+@dataclass
+class AbortReq:
+    """Abort every request whose id starts with `rid` (all when abort_all)."""
+
+    rid: str = ""
+    abort_all: bool = False
+    message: str = "aborted by the client"
+
+
+@dataclass
+class FlushCacheReq:
+    pass
+
+
+@dataclass
+class FlushCacheResp:
+    success: bool
+    message: str = ""
+
+
+@dataclass
+class GetStatsReq:
+    pass
+
+
+@dataclass
+class StatsResp:
+    """Scheduler state for /get_server_info and /metrics."""
+
+    stats: dict[str, Any]
+
+
+@dataclass
+class BatchTokenOutput:
+    """Token-id deltas of one scheduler step, one entry per request that has news.
+
+    `context_ids[i]` is non-empty only in a request's first output: the last few prompt
+    tokens, decoded for context (so the first word's spacing is right) but never emitted.
+    `output_ids[i]` are the new token ids since the last output for that request.
+    """
+
+    rids: list[str]
+    output_ids: list[list[int]]
+    context_ids: list[list[int]]
+    finished_reasons: list[dict[str, Any] | None]
+    prompt_tokens: list[int]
+    completion_tokens: list[int]
+    cached_tokens: list[int]
+    skip_special_tokens: list[bool]
+    no_stop_trim: list[bool]
+
+
+@dataclass
+class BatchTextOutput:
+    """Text deltas of one step, produced by the detokenizer for the TokenizerManager."""
+
+    rids: list[str]
+    texts: list[str]
+    output_ids: list[list[int]]
+    finished_reasons: list[dict[str, Any] | None]
+    prompt_tokens: list[int]
+    completion_tokens: list[int]
+    cached_tokens: list[int]
+
+
+@dataclass
+class ReadyMsg:
+    """Sent once by a child process when it is ready (or failed) at start-up."""
+
+    process: str
+    ok: bool
+    error: str = ""
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+def encode(msg: Any) -> bytes:
+    return pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def decode(data: bytes) -> Any:
+    return pickle.loads(data)

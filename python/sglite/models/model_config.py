@@ -1,0 +1,116 @@
+"""ModelConfig: the architecture facts sglite needs, read once from an HF folder's config.
+
+Reads `config.json` through transformers' AutoConfig and accepts both config generations:
+transformers 4.x (`rope_theta` and `rope_scaling` at the top level) and 5.x (both inside
+`rope_parameters`). EOS ids are the union of the config's and `generation_config.json`'s.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+def _as_ids(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)
+
+
+def _rope(hf: Any) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, scaling dict or None) from either config form."""
+    params = dict(getattr(hf, "rope_parameters", None) or {})
+    legacy = getattr(hf, "rope_scaling", None)
+    if not params and legacy:
+        params = dict(legacy)
+    theta = params.pop("rope_theta", None)
+    if theta is None:
+        theta = getattr(hf, "rope_theta", None)
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    scaling = params if rope_type != "default" else None
+    return float(theta if theta is not None else 10000.0), scaling
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    model_type: str
+    hidden_size: int
+    intermediate_size: int
+    vocab_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    context_length: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    mlp_bias: bool
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+    torch_dtype: str | None
+    sliding_window: int | None = None
+    hf_config: Any = field(default=None, repr=False, compare=False)
+
+    @classmethod
+    def from_pretrained(cls, model_path: str | Path) -> ModelConfig:
+        from transformers import AutoConfig
+
+        path = Path(model_path)
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(
+                f"{path} has no config.json; pass a Hugging Face model folder "
+                "(config.json, *.safetensors, tokenizer files)"
+            )
+        hf = AutoConfig.from_pretrained(str(path))
+        return cls.from_hf(hf, path)
+
+    @classmethod
+    def from_hf(cls, hf: Any, path: Path | None = None) -> ModelConfig:
+        archs = getattr(hf, "architectures", None) or []
+        if not archs:
+            raise ValueError(f"config of {path} names no architectures; cannot pick a model class")
+        num_heads = hf.num_attention_heads
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
+        theta, scaling = _rope(hf)
+        eos = list(_as_ids(getattr(hf, "eos_token_id", None)))
+        if path is not None and (path / "generation_config.json").is_file():
+            gen = json.loads((path / "generation_config.json").read_text())
+            eos += [t for t in _as_ids(gen.get("eos_token_id")) if t not in eos]
+        sliding = None
+        if getattr(hf, "use_sliding_window", True) and getattr(hf, "sliding_window", None):
+            sliding = int(hf.sliding_window)
+        dtype = getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None)
+        return cls(
+            architecture=archs[0],
+            model_type=getattr(hf, "model_type", ""),
+            hidden_size=hf.hidden_size,
+            intermediate_size=hf.intermediate_size,
+            vocab_size=hf.vocab_size,
+            num_layers=hf.num_hidden_layers,
+            num_heads=num_heads,
+            num_kv_heads=getattr(hf, "num_key_value_heads", None) or num_heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(hf.rms_norm_eps),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            context_length=int(getattr(hf, "max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+            attention_bias=bool(getattr(hf, "attention_bias", False)),
+            mlp_bias=bool(getattr(hf, "mlp_bias", False)),
+            eos_token_ids=tuple(eos),
+            bos_token_id=getattr(hf, "bos_token_id", None),
+            torch_dtype=str(dtype).removeprefix("torch.") if dtype is not None else None,
+            sliding_window=sliding,
+            hf_config=hf,
+        )

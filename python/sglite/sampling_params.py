@@ -1,0 +1,153 @@
+"""SamplingParams: the per-request decoding knobs (SGLang's field names), validated once.
+
+Construct it directly (`SamplingParams(temperature=0.7)`) or from a request body with
+`SamplingParams.from_dict(d)`, which also rejects unknown keys. Every invalid value raises a
+`ValueError` that names the field and the allowed range. `temperature == 0` means greedy.
+
+Penalty semantics (shared with `sglite.model_executor.sampler`): `frequency_penalty` and
+`presence_penalty` act on the tokens generated so far (OpenAI/vLLM semantics);
+`repetition_penalty` acts on the prompt and the generated tokens (transformers semantics).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import Any
+
+# Below this temperature a request is sampled greedily (SGLang uses the same threshold).
+GREEDY_TEMPERATURE = 1e-6
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_number(name: str, value: Any, low: float, high: float, *, low_open: bool = False) -> None:
+    if not _is_number(value) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    too_low = value <= low if low_open else value < low
+    if too_low or value > high:
+        left = "(" if low_open else "["
+        raise ValueError(f"{name} must be in {left}{low}, {high}], got {value!r}")
+
+
+def _check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be true or false, got {value!r}")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_new_tokens: int = 0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 0:
+            raise ValueError(
+                f"max_new_tokens must be an integer >= 0, got {self.max_new_tokens!r}"
+            )
+        if not _is_int(self.min_new_tokens) or self.min_new_tokens < 0:
+            raise ValueError(
+                f"min_new_tokens must be an integer >= 0, got {self.min_new_tokens!r}"
+            )
+        if self.min_new_tokens > self.max_new_tokens:
+            raise ValueError(
+                f"min_new_tokens ({self.min_new_tokens}) must not exceed "
+                f"max_new_tokens ({self.max_new_tokens})"
+            )
+        if not _is_number(self.temperature) or not math.isfinite(self.temperature):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if self.temperature < 0:
+            raise ValueError(
+                f"temperature must be >= 0 (0 means greedy), got {self.temperature!r}"
+            )
+        _check_number("top_p", self.top_p, 0.0, 1.0, low_open=True)
+        if not _is_int(self.top_k) or (self.top_k != -1 and self.top_k < 1):
+            raise ValueError(
+                f"top_k must be -1 (disabled) or an integer >= 1, got {self.top_k!r}"
+            )
+        _check_number("min_p", self.min_p, 0.0, 1.0)
+        _check_number("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        _check_number("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _check_number("repetition_penalty", self.repetition_penalty, 0.0, 2.0, low_open=True)
+        self._check_stop()
+        if self.stop_token_ids is not None:
+            if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
+                _is_int(t) and t >= 0 for t in self.stop_token_ids
+            ):
+                raise ValueError(
+                    "stop_token_ids must be a list of integers >= 0, "
+                    f"got {self.stop_token_ids!r}"
+                )
+        _check_bool("ignore_eos", self.ignore_eos)
+        _check_bool("skip_special_tokens", self.skip_special_tokens)
+        _check_bool("no_stop_trim", self.no_stop_trim)
+        if self.seed is not None and not _is_int(self.seed):
+            raise ValueError(f"seed must be an integer or null, got {self.seed!r}")
+
+    def _check_stop(self) -> None:
+        stop = self.stop
+        if stop is None:
+            return
+        items = [stop] if isinstance(stop, str) else stop
+        if not isinstance(items, (list, tuple)) or not all(
+            isinstance(s, str) and s for s in items
+        ):
+            raise ValueError(
+                f"stop must be a non-empty string or a list of non-empty strings, got {stop!r}"
+            )
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | None) -> SamplingParams:
+        """Build from a request body; unknown keys are an error, not silently dropped."""
+        if data is None:
+            return cls()
+        if not isinstance(data, dict):
+            raise ValueError(f"sampling_params must be an object, got {type(data).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(
+                f"unknown sampling parameter(s) {', '.join(map(repr, unknown))}; "
+                f"known: {', '.join(sorted(known))}"
+            )
+        return cls(**data)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Reject stop token ids the model cannot produce (called once the model is known)."""
+        bad = [t for t in self.stop_token_ids or () if t >= vocab_size]
+        if bad:
+            raise ValueError(
+                f"stop_token_ids {bad} are out of range for a vocabulary of {vocab_size} tokens"
+            )
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
+
+    @property
+    def stop_strs(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)

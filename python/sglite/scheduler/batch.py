@@ -1,0 +1,91 @@
+"""ScheduleBatch: the requests of one step, and ForwardInput: what the model worker receives.
+
+A batch is a list of rows; row i computes positions [starts[i], ends[i]) of request i.
+Prefill rows (possibly a chunk of a prompt) and decode rows (one position) can mix
+(`--enable-mixed-chunk`); the mode says which kind of forward runs.
+
+Decode rows whose input token is still being sampled by the in-flight batch (overlap loop)
+carry a future reference `-(future_slot + 1)` instead of the token id; the worker resolves it
+from its future buffer, where every launched batch stores its sampled tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+import numpy as np
+
+from sglite.sampling_params import SamplingParams
+from sglite.scheduler.req import Req
+
+
+class Mode(str, Enum):
+    EXTEND = "extend"
+    DECODE = "decode"
+    MIXED = "mixed"
+
+
+@dataclass
+class ForwardInput:
+    """Plain arrays and params of one forward; built on the scheduler side, run by a worker."""
+
+    mode: Mode
+    rids: list[str]
+    rows: np.ndarray  # request rows (ReqToTokenPool)
+    prefix_lens: np.ndarray  # positions already cached before this step
+    seq_lens: np.ndarray  # positions after this step
+    input_ids: np.ndarray  # flat; negative = future reference
+    out_cache_loc: np.ndarray  # flat KV slots of the computed positions
+    sampling_params: list[SamplingParams]
+    future_slots: np.ndarray  # where each row's sampled token is stored
+    # penalty context, only for rows that use penalties (else None): prompt and output ids
+    penalty_tokens: list[tuple[list[int], list[int]] | None]
+    table_rows: np.ndarray | None = None  # row contents to copy when the table is mirrored
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.rows)
+
+
+@dataclass
+class ScheduleBatch:
+    reqs: list[Req]
+    starts: list[int]
+    ends: list[int]
+    is_decode: list[bool]
+    epochs: list[int] = field(default_factory=list)
+    future_slots: np.ndarray | None = None
+    out_cache_loc: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        if not self.epochs:
+            self.epochs = [r.epoch for r in self.reqs]
+
+    @property
+    def mode(self) -> Mode:
+        if all(self.is_decode):
+            return Mode.DECODE
+        return Mode.MIXED if any(self.is_decode) else Mode.EXTEND
+
+    @property
+    def is_extend(self) -> bool:
+        return self.mode != Mode.DECODE
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(e - s for s, e in zip(self.starts, self.ends))
+
+    def samples(self, i: int) -> bool:
+        """Whether row i yields an output token (a middle chunk does not)."""
+        return self.ends[i] >= self.reqs[i].fill_len or self.is_decode[i]
+
+    def input_ids(self, future_of: dict[int, int]) -> np.ndarray:
+        """Flat input ids; decode rows whose input is in flight get a future reference."""
+        out: list[int] = []
+        for req, s, e, dec in zip(self.reqs, self.starts, self.ends, self.is_decode):
+            if dec and id(req) in future_of:
+                out.append(-(future_of[id(req)] + 1))
+            else:
+                out.extend(req.fill_slice(s, e))
+        return np.asarray(out, dtype=np.int64)

@@ -1,0 +1,128 @@
+"""DecodeManager: the next decode batch, its KV slots, retraction, and new_token_ratio.
+
+When one more token per running request does not fit (after evicting from the tree), the
+requests with the fewest decoded tokens (ties: longest prompt) are retracted until it does:
+their KV is freed without being inserted, and they go back to the front of the waiting queue
+to be prefilled again (prompt + what they generated). new_token_ratio, the share of each
+request's remaining max_new_tokens that admission reserves, starts at 0.7, decays by
+(0.7 - 0.098) / 600 per decode step, and jumps after a retraction.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from sglite.scheduler.batch import ScheduleBatch
+from sglite.scheduler.req import Req
+
+if TYPE_CHECKING:
+    from sglite.scheduler.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+INIT_NEW_TOKEN_RATIO = 0.7
+MIN_NEW_TOKEN_RATIO = INIT_NEW_TOKEN_RATIO * 0.14
+NEW_TOKEN_RATIO_DECAY_STEPS = 600
+RETRACT_DECODE_STEPS = 20
+
+
+class NewTokenRatio:
+    def __init__(self) -> None:
+        self.value = INIT_NEW_TOKEN_RATIO
+        self.decay = (INIT_NEW_TOKEN_RATIO - MIN_NEW_TOKEN_RATIO) / NEW_TOKEN_RATIO_DECAY_STEPS
+
+    def decay_step(self) -> None:
+        self.value = max(self.value - self.decay, MIN_NEW_TOKEN_RATIO)
+
+    def reset(self) -> None:
+        self.value = INIT_NEW_TOKEN_RATIO
+
+    def after_retract(self, remaining: list[Req]) -> None:
+        decoded = sum(len(r.output_ids) for r in remaining)
+        max_new = sum(r.max_new_tokens for r in remaining)
+        self.value = min(1.0, (decoded + RETRACT_DECODE_STEPS * len(remaining)) / (max_new + 1))
+
+
+class DecodeManager:
+    def __init__(self, sched: Scheduler):
+        self.s = sched
+        self.ratio = NewTokenRatio()
+
+    def decodable(self) -> list[Req]:
+        """Running requests that need another token (finishers in flight sit out)."""
+        return [r for r in self.s.running if not r.finished and not r.finishing_in_flight]
+
+    def get_batch(self) -> ScheduleBatch | None:
+        reqs = self.decodable()
+        if not reqs:
+            return None
+        if self.s.cache.can_decode(reqs):
+            self.ratio.decay_step()
+        else:
+            reqs = self._retract(reqs)
+            if not reqs:
+                return None
+        batch = ScheduleBatch(reqs, [], [], [True] * len(reqs))
+        batch.starts, batch.ends, batch.out_cache_loc = self._alloc(reqs)
+        return batch
+
+    def mix_into(self, batch: ScheduleBatch, running: list[Req]) -> None:
+        """Append decode rows to a prefill batch (--enable-mixed-chunk) when they fit."""
+        reqs = [r for r in running if not r.finished and not r.finishing_in_flight]
+        if not reqs or not self.s.cache.can_decode(reqs):
+            return
+        starts, ends, slots = self._alloc(reqs)
+        batch.reqs += reqs
+        batch.starts += starts
+        batch.ends += ends
+        batch.is_decode += [True] * len(reqs)
+        batch.epochs += [r.epoch for r in reqs]
+        batch.out_cache_loc = np.concatenate([batch.out_cache_loc, slots])
+
+    def _alloc(self, reqs: list[Req]):
+        starts = [r.kv_len for r in reqs]
+        ends = [r.kv_len + 1 for r in reqs]
+        slots = self.s.cache.alloc_extend(reqs, starts, ends)
+        if slots is None:
+            raise RuntimeError("decode allocation failed after the capacity check passed")
+        for r in reqs:
+            r.kv_len += 1
+        return starts, ends, slots
+
+    def _retract(self, reqs: list[Req]) -> list[Req]:
+        s = self.s
+        order = sorted(reqs, key=lambda r: (len(r.output_ids), -len(r.input_ids)), reverse=True)
+        retracted: list[Req] = []
+        while order and not s.cache.can_decode(order):
+            victim = order.pop()
+            if victim.to_abort is not None:  # it was leaving anyway
+                s.finish(victim, victim.to_abort)
+                s.streamer.stream([victim])
+                continue
+            if not order:  # even alone it does not fit
+                s.finish(victim, {
+                    "type": "abort", "status_code": 503,
+                    "message": "out of KV cache memory even after retracting all other requests",
+                })  # fmt: skip
+                s.streamer.stream([victim])
+                break
+            s.cache.release(victim, insert=False)
+            s.client.release([victim.rid])
+            s.future_of.pop(id(victim), None)
+            victim.reset_for_retract()
+            retracted.append(victim)
+        gone = {id(r) for r in retracted}
+        s.running = [r for r in s.running if id(r) not in gone and not r.finished]
+        s.waiting[:0] = sorted(retracted, key=lambda r: r.arrival_time)
+        s.counters["num_retracted_reqs"] += len(retracted)
+        kept = [r for r in reqs if id(r) not in gone and not r.finished]
+        old = self.ratio.value
+        self.ratio.after_retract(kept)
+        logger.warning(
+            "KV cache is full: retracted %d requests; new_token_ratio %.3f -> %.3f",
+            len(retracted), old, self.ratio.value,
+        )  # fmt: skip
+        return kept

@@ -1,0 +1,90 @@
+"""SchedulePolicy: the order of the waiting queue (fcfs, lpm, dfs-weight, lof, random, hrrn, spf).
+
+- Every pass matches each waiting request's prefix in the radix tree (cache-aware policies sort
+  by it; cache-agnostic ones still report how many waiting tokens would hit).
+- LPM and HRRN fall back to FCFS when more than 128 requests wait: matching costs CPU.
+- In-queue prefix check (cache-aware policies): a request whose cached prefix is short but
+  which shares >= 32 tokens with an earlier waiting request is deprioritized for this pass, so
+  only one of many requests sharing an uncached prefix goes first; the rest then hit the cache.
+- The matching pass walks the queue tail first, so the head's prefix is the most recently used:
+  with LRU eviction the cache retires queued prefixes in reverse admission order.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+
+from sglite.mem_cache.cache_manager import CacheManager
+from sglite.scheduler.req import Req
+
+CACHE_AWARE = ("lpm", "dfs-weight", "hrrn", "shortest-prefill-first")
+FCFS_FALLBACK_QUEUE_LEN = 128
+IN_QUEUE_CHECK_THRESHOLD = 32
+IN_QUEUE_DEPRIORITIZE_THRESHOLD = 32
+
+
+class SchedulePolicy:
+    def __init__(self, policy: str, cache: CacheManager, core, eviction_policy: str, seed: int = 0):
+        if not cache.enabled and policy in CACHE_AWARE:
+            policy = "fcfs"  # nothing to be aware of
+        self.policy = policy
+        self.cache = cache
+        self.core = core
+        self.eviction_policy = eviction_policy
+        self.rng = random.Random(seed)
+        self.num_passes = 0
+        self.waiting_hit_tokens = 0  # metric: waiting tokens that would hit the cache
+
+    def active_policy(self, queue_len: int) -> str:
+        if self.policy in ("lpm", "hrrn") and queue_len > FCFS_FALLBACK_QUEUE_LEN:
+            return "fcfs"
+        return self.policy
+
+    def sort(self, queue: list[Req], processed_tokens: int) -> None:
+        """Reorder `queue` in place; every request gets a fresh prefix match."""
+        self.num_passes += 1
+        policy = self.active_policy(len(queue))
+        self.waiting_hit_tokens = sum(self.cache.match(r) for r in reversed(queue))
+        if policy == "fcfs":
+            return
+        if policy == "lof":
+            queue.sort(key=lambda r: -r.max_new_tokens)
+            return
+        if policy == "random":
+            self.rng.shuffle(queue)
+            return
+        deprioritized = self._in_queue_check(queue)
+        if policy == "lpm":
+            queue.sort(key=lambda r: (id(r) in deprioritized, -r.match_len))
+        elif policy == "dfs-weight":
+            order = self.cache.tree.dfs_weight_order([r.match_node for r in queue])
+            queue[:] = [queue[i] for i in order]
+        elif policy == "hrrn":
+
+            def response_ratio(r: Req) -> tuple:
+                uncached = r.fill_len - r.match_len
+                waited = processed_tokens - r.wait_since_processed
+                return (id(r) in deprioritized, -(waited / max(uncached, 1)), r.arrival_time)
+
+            queue.sort(key=response_ratio)
+        elif policy == "shortest-prefill-first":
+            queue.sort(
+                key=lambda r: (id(r) in deprioritized, max(1, r.fill_len - r.match_len), r.arrival_time)
+            )
+
+    def _in_queue_check(self, queue: list[Req]) -> set[int]:
+        """Ids of requests to push back: they share an uncached prefix with an earlier one."""
+        sim = self.core.RadixTree(page_size=1)
+        out: set[int] = set()
+        for r in queue:
+            if r.match_len > IN_QUEUE_CHECK_THRESHOLD:
+                continue
+            ids = r.input_ids
+            shared, _ = sim.match_prefix(ids)
+            if len(shared) >= IN_QUEUE_DEPRIORITIZE_THRESHOLD:
+                out.add(id(r))
+            else:
+                sim.insert(ids, np.arange(len(ids)))
+        return out

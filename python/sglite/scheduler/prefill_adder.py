@@ -1,0 +1,89 @@
+"""PrefillAdder: admits waiting requests into one prefill batch through the core's budget math.
+
+The candidate's matched prefix is locked while it is charged, so its own cached tokens are not
+counted as evictable headroom; an admitted request keeps that lock (it becomes `lock_node`
+when its row is allocated), a refused one gives it back at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sglite.mem_cache.cache_manager import CacheManager
+from sglite.scheduler.req import Req
+
+
+@dataclass
+class PrefillEntry:
+    req: Req
+    start: int  # first position computed (the cached prefix ends here)
+    end: int  # one past the last position computed
+
+    @property
+    def is_last_chunk(self) -> bool:
+        return self.end >= self.req.fill_len
+
+
+class PrefillAdder:
+    def __init__(
+        self,
+        core,
+        cache: CacheManager,
+        running: list[Req],
+        new_token_ratio: float,
+        max_prefill_tokens: int,
+        chunked_prefill_size: int | None,
+        num_mixed_decode_tokens: int = 0,
+    ):
+        self.core = core
+        self.cache = cache
+        self.budget = core.PrefillBudget(
+            cache.page_size, max_prefill_tokens, chunked_prefill_size, num_mixed_decode_tokens
+        )
+        self.budget.reserve_running(
+            [r.remaining_new_tokens for r in running],
+            [r.sampling_params.ignore_eos for r in running],
+            new_token_ratio,
+        )
+        self.entries: list[PrefillEntry] = []
+        self.new_chunked_req: Req | None = None
+        self.num_hit_tokens = 0
+
+    def add_chunked(self, req: Req) -> int:
+        """Schedule the next slice of the request being chunked (always progresses)."""
+        start = req.kv_len
+        state, granted = self.budget.add_chunk(
+            self.cache.available_and_evictable(),
+            start,
+            req.fill_len - start,
+            max(req.remaining_new_tokens, 0),
+        )
+        self._admit(req, start, start + granted)
+        return state
+
+    def add_one(self, req: Req) -> int:
+        """Try to admit a waiting request; returns the core's verdict for the next one."""
+        self.cache.lock(req.match_node)
+        admitted, state, granted = self.budget.add_req(
+            self.cache.available_and_evictable(),
+            req.match_len,
+            req.fill_len - req.match_len,
+            max(req.remaining_new_tokens, 0),
+        )
+        if not admitted:
+            self.cache.unlock(req.match_node)
+            return state
+        self.num_hit_tokens += req.match_len
+        self._admit(req, req.match_len, req.match_len + granted)
+        return state
+
+    def _admit(self, req: Req, start: int, end: int) -> None:
+        self.entries.append(PrefillEntry(req, start, end))
+        if end < req.fill_len:
+            self.new_chunked_req = req
+
+    def rollback(self) -> None:
+        """Undo the locks of newly admitted requests (their batch could not be allocated)."""
+        for e in self.entries:
+            if e.req.row is None:
+                self.cache.unlock(e.req.match_node)

@@ -1,0 +1,138 @@
+"""Req: one generation request inside the scheduler, and its stop conditions.
+
+Who owns which part of a request's KV row (`row`, a ReqToTokenPool row):
+
+    positions [0, cached_len)           tree-owned slots; the path to `lock_node` is locked
+    positions [cached_len, alloc_len)   slots this request allocated and must free
+    positions [0, kv_len)               hold computed KV (or KV being computed by a launched batch)
+
+`cached_len` is page-aligned. `kv_len <= alloc_len`; in the overlap loop `alloc_len` may run one
+token ahead of what result processing has seen. The token at position p is `fill_ids[p]`,
+where fill_ids = prompt + processed output; decode rows whose input token is still being
+sampled by the in-flight batch use a future reference instead (see scheduler/worker.py).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from sglite.sampling_params import SamplingParams
+
+STOP_STRING_TAIL_TOKENS = 8  # extra tokens decoded beyond the longest stop string's length
+
+
+@dataclass(eq=False)
+class Req:
+    rid: str
+    input_ids: list[int]
+    sampling_params: SamplingParams
+    stream: bool = False
+    extra_key: str | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+
+    output_ids: list[int] = field(default_factory=list)
+    finished_reason: dict[str, Any] | None = None
+    to_abort: dict[str, Any] | None = None  # set by an abort; honoured at the next result
+
+    # KV bookkeeping (see the module docstring)
+    row: int | None = None
+    cached_len: int = 0
+    lock_node: int | None = None
+    kv_len: int = 0
+    alloc_len: int = 0
+    # prefix matched by the last match (not yet locked by admission)
+    match_len: int = 0
+    match_node: int = 0
+    match_slots: Any = None
+    # scheduling
+    extend_end: int = 0  # end of the slice being prefilled
+    num_retractions: int = 0
+    epoch: int = 0  # bumped on retraction: in-flight results of an older epoch are dropped
+    scheduled_outputs: int = 0  # output tokens scheduled (processed or in flight)
+    cached_tokens: int = 0  # prompt tokens served from the cache, reported to the client
+    # streaming
+    sent_len: int = 0
+    first_output_sent: bool = False
+    finish_sent: bool = False
+    wait_since_processed: int = 0  # processed-token counter at arrival (HRRN aging)
+
+    @property
+    def fill_ids(self) -> list[int]:
+        return self.input_ids + self.output_ids
+
+    def fill_slice(self, start: int, end: int) -> list[int]:
+        """fill_ids[start:end] without building the whole list."""
+        n = len(self.input_ids)
+        if end <= n:
+            return self.input_ids[start:end]
+        if start >= n:
+            return self.output_ids[start - n : end - n]
+        return self.input_ids[start:] + self.output_ids[: end - n]
+
+    @property
+    def fill_len(self) -> int:
+        return len(self.input_ids) + len(self.output_ids)
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self.sampling_params.max_new_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.finished_reason is not None
+
+    @property
+    def has_kv(self) -> bool:
+        return self.row is not None
+
+    @property
+    def remaining_new_tokens(self) -> int:
+        return self.max_new_tokens - len(self.output_ids)
+
+    @property
+    def finishing_in_flight(self) -> bool:
+        """All of its tokens are scheduled: it will finish by length when results land."""
+        return self.scheduled_outputs >= self.max_new_tokens
+
+    def reset_for_retract(self) -> None:
+        self.row = None
+        self.cached_len = self.kv_len = self.alloc_len = 0
+        self.lock_node = None
+        self.match_len, self.match_node, self.match_slots = 0, 0, None
+        self.extend_end = 0
+        self.scheduled_outputs = len(self.output_ids)
+        self.num_retractions += 1
+        self.epoch += 1
+
+
+class StopChecker:
+    """Finish conditions, checked after each appended token (SGLang's order)."""
+
+    def __init__(self, eos_token_ids: set[int], decode_tail):
+        self.eos_token_ids = eos_token_ids
+        self.decode_tail = decode_tail  # callable(list[int]) -> str, for stop strings
+
+    def check(self, req: Req) -> dict[str, Any] | None:
+        if req.to_abort is not None:
+            return req.to_abort
+        sp = req.sampling_params
+        out = req.output_ids
+        last = out[-1]
+        past_min = len(out) >= sp.min_new_tokens
+        stops = [sp.stop] if isinstance(sp.stop, str) else sp.stop
+        if past_min and stops:
+            longest = max(len(s) for s in stops)
+            tail = self.decode_tail(out[-(longest + STOP_STRING_TAIL_TOKENS) :])
+            for stop in stops:
+                if stop and stop in tail:
+                    return {"type": "stop", "matched": stop}
+        if past_min:
+            if sp.stop_token_ids and last in sp.stop_token_ids:
+                return {"type": "stop", "matched": last}
+            if not sp.ignore_eos and last in self.eos_token_ids:
+                return {"type": "stop", "matched": last}
+        if len(out) >= sp.max_new_tokens:
+            return {"type": "length", "length": sp.max_new_tokens}
+        return None

@@ -1,0 +1,300 @@
+"""Scheduler: the loop that picks the next batch, runs it and processes its results.
+
+Each tick: receive messages -> pick the next batch (prefill first, else decode) -> run it ->
+process its results. `event_loop_normal` runs each batch to completion before the next;
+`event_loop_overlap` launches batch N+1 before processing the result of batch N (results one
+step late; finished requests are never streamed twice nor decoded again). Admission lives in
+prefill.py, decode memory and retraction in decode.py, streaming in output.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+import numpy as np
+
+from sglite.config import ServerArgs
+from sglite.mem_cache.cache_manager import CacheManager
+from sglite.messages import (
+    AbortReq,
+    FlushCacheReq,
+    FlushCacheResp,
+    GenerateReq,
+    GetStatsReq,
+    StatsResp,
+)
+from sglite.scheduler.batch import ForwardInput, ScheduleBatch
+from sglite.scheduler.decode import DecodeManager
+from sglite.scheduler.output import OutputStreamer
+from sglite.scheduler.policy import SchedulePolicy
+from sglite.scheduler.prefill import PrefillManager
+from sglite.scheduler.req import Req, StopChecker
+from sglite.scheduler.worker import Worker, WorkerClient
+
+logger = logging.getLogger(__name__)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        args: ServerArgs,
+        worker: Worker,
+        *,
+        core,
+        allocator,
+        req_to_token_pool,
+        context_length: int,
+        eos_token_ids: set[int],
+        decode_tail: Callable[[list[int]], str],
+        send: Callable[[object], None],
+        send_control: Callable[[object], None] | None = None,
+    ):
+        self.args = args
+        self.core = core
+        tree = core.RadixTree(args.page_size, args.radix_eviction_policy)
+        self.cache = CacheManager(
+            tree, allocator, req_to_token_pool, args.page_size, not args.disable_radix_cache
+        )
+        self.policy = SchedulePolicy(args.schedule_policy, self.cache, core, args.random_seed)
+        self.client = WorkerClient(worker, overlap=not args.disable_overlap_schedule)
+        self.context_length = context_length
+        self.max_running = min(args.max_running_requests or 1 << 30, req_to_token_pool.size)
+        self.stop_checker = StopChecker(eos_token_ids, decode_tail)
+        self.streamer = OutputStreamer(send, args.stream_interval)
+        self.send_control = send_control or send
+        self.waiting: list[Req] = []
+        self.running: list[Req] = []
+        self.prefill = PrefillManager(self)
+        self.decode = DecodeManager(self)
+        self.future_of: dict[int, int] = {}  # id(req) -> future slot of its in-flight token
+        self.pending: tuple[ScheduleBatch, Future] | None = None  # overlap: launched, unprocessed
+        self.processed_tokens = 0
+        self.counters = {
+            "num_prefill_batches": 0, "num_decode_batches": 0, "num_chunks": 0,
+            "num_retracted_reqs": 0, "num_finished_reqs": 0, "num_aborted_reqs": 0,
+            "num_prompt_tokens_total": 0, "num_cached_tokens_total": 0,
+            "num_generated_tokens_total": 0, "num_rejected_reqs": 0,
+        }  # fmt: skip
+        self.started_at = time.monotonic()
+
+    # ---------------------------------------------------------------- loops
+    def event_loop_normal(self, recv: Callable[[bool], list]) -> None:
+        while True:
+            self.handle_messages(recv(not self.has_work()))
+            self.step_normal()
+
+    def event_loop_overlap(self, recv: Callable[[bool], list]) -> None:
+        while True:
+            self.handle_messages(recv(not self.has_work()))
+            self.step_overlap()
+
+    def step_normal(self) -> bool:
+        batch = self.get_next_batch_to_run()
+        if batch is None:
+            self.on_idle()
+            return False
+        self.process_batch_result(batch, self.launch(batch).result())
+        return True
+
+    def step_overlap(self) -> bool:
+        batch = self.get_next_batch_to_run()
+        if batch is not None and batch.is_extend and self.pending and self.pending[0].is_extend:
+            self._process_pending()  # a second prefill in a row: don't delay the first's token
+        launched = self.launch(batch) if batch is not None else None
+        self._process_pending()
+        if batch is None:
+            self.on_idle()
+            return False
+        self.pending = (batch, launched)
+        return True
+
+    def run_until_idle(self, max_steps: int = 1_000_000) -> None:
+        """Drive the configured loop in-process until nothing is left (tests, benchmarks)."""
+        step = self.step_normal if self.args.disable_overlap_schedule else self.step_overlap
+        for _ in range(max_steps):
+            if not self.has_work():
+                return
+            step()
+        raise RuntimeError(f"scheduler still busy after {max_steps} steps")
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.pending or self.prefill.chunked_req)
+
+    # ---------------------------------------------------------------- inputs
+    def handle_messages(self, msgs: list) -> None:
+        for msg in msgs:
+            if isinstance(msg, GenerateReq):
+                self.add_request(msg)
+            elif isinstance(msg, AbortReq):
+                self.abort(msg.rid, msg.abort_all, msg.message)
+            elif isinstance(msg, FlushCacheReq):
+                self.send_control(self.flush_cache())
+            elif isinstance(msg, GetStatsReq):
+                self.send_control(StatsResp(self.stats()))
+            else:
+                logger.error("scheduler: unknown message %r", type(msg).__name__)
+
+    def add_request(self, msg: GenerateReq) -> Req:
+        req = Req(msg.rid, list(msg.input_ids), msg.sampling_params, msg.stream, msg.extra_key)
+        req.wait_since_processed = self.processed_tokens
+        need = len(req.input_ids) + req.max_new_tokens
+        error = None
+        if not req.input_ids:
+            error = "the prompt is empty"
+        elif need > self.context_length:
+            error = (f"prompt ({len(req.input_ids)} tokens) + max_new_tokens "
+                     f"({req.max_new_tokens}) exceeds the context length {self.context_length}")
+        elif need + self.args.page_size > self.cache.allocator.capacity():
+            error = (f"prompt ({len(req.input_ids)} tokens) + max_new_tokens "
+                     f"({req.max_new_tokens}) can never fit in the KV cache "
+                     f"({self.cache.allocator.capacity()} tokens)")
+        if error is not None:
+            self.counters["num_rejected_reqs"] += 1
+            self.finish(req, {"type": "abort", "message": error, "status_code": 400})
+            self.streamer.stream([req])
+            return req
+        self.waiting.append(req)
+        return req
+
+    def abort(self, rid: str, abort_all: bool = False, message: str = "aborted") -> None:
+        reason = {"type": "abort", "message": message, "status_code": 499}
+
+        def hit(r: Req) -> bool:
+            return abort_all or r.rid.startswith(rid)
+
+        for req in [r for r in self.waiting if hit(r)]:
+            self.waiting.remove(req)
+            self.finish(req, dict(reason))
+            self.streamer.stream([req])
+        chunked = self.prefill.chunked_req
+        if chunked is not None and hit(chunked):
+            self.prefill.chunked_req = None
+            self.finish(chunked, dict(reason))
+            self.streamer.stream([chunked])
+        for req in self.running:
+            if hit(req) and not req.finished:
+                req.to_abort = dict(reason)
+
+    # ---------------------------------------------------------------- batches
+    def get_next_batch_to_run(self) -> ScheduleBatch | None:
+        batch = self.prefill.get_new_batch()
+        if batch is not None:
+            return batch
+        return self.decode.get_batch()
+
+    def launch(self, batch: ScheduleBatch) -> Future:
+        slots = self.client.future_slots(len(batch.reqs))
+        batch.future_slots = slots
+        input_ids = batch.input_ids(self.future_of)
+        penalty = []
+        for i, req in enumerate(batch.reqs):
+            sp = req.sampling_params
+            uses = sp.frequency_penalty or sp.presence_penalty or sp.repetition_penalty != 1.0
+            penalty.append((req.input_ids, list(req.output_ids)) if uses else None)
+            if batch.samples(i):
+                self.future_of[id(req)] = int(slots[i])
+                req.scheduled_outputs += 1
+        fi = ForwardInput(
+            mode=batch.mode,
+            rids=[r.rid for r in batch.reqs],
+            rows=np.asarray([r.row for r in batch.reqs], dtype=np.int64),
+            prefix_lens=np.asarray(batch.starts, dtype=np.int64),
+            seq_lens=np.asarray(batch.ends, dtype=np.int64),
+            input_ids=input_ids,
+            out_cache_loc=batch.out_cache_loc,
+            sampling_params=[r.sampling_params for r in batch.reqs],
+            future_slots=slots,
+            penalty_tokens=penalty,
+        )
+        if self.cache.mirrored:
+            fi.table_rows = self.cache.table[fi.rows, : int(fi.seq_lens.max())].copy()
+        self.processed_tokens += batch.num_tokens
+        key = "num_decode_batches" if batch.mode.value == "decode" else "num_prefill_batches"
+        self.counters[key] += 1
+        return self.client.launch(fi)
+
+    def _process_pending(self) -> None:
+        if self.pending is not None:
+            batch, fut = self.pending
+            self.pending = None
+            self.process_batch_result(batch, fut.result())
+
+    # ---------------------------------------------------------------- results
+    def process_batch_result(self, batch: ScheduleBatch, tokens: np.ndarray) -> None:
+        alloc = self.cache.allocator
+        alloc.free_group_begin()
+        touched: list[Req] = []
+        try:
+            for i, req in enumerate(batch.reqs):
+                if req.epoch != batch.epochs[i] or req.finished or not batch.samples(i):
+                    continue
+                if self.future_of.get(id(req)) == int(batch.future_slots[i]):
+                    del self.future_of[id(req)]
+                touched.append(req)
+                self._append_token(req, int(tokens[i]), batch, i)
+        finally:
+            alloc.free_group_end()
+        self.streamer.stream(touched)
+        if any(r.finished for r in self.running):
+            self.running = [r for r in self.running if not r.finished]
+
+    def _append_token(self, req: Req, token: int, batch: ScheduleBatch, i: int) -> None:
+        if req.max_new_tokens == 0:
+            self.finish(req, {"type": "length", "length": 0})
+            return
+        req.output_ids.append(token)
+        self.counters["num_generated_tokens_total"] += 1
+        reason = self.stop_checker.check(req)
+        if reason is not None:
+            self.finish(req, reason)
+        elif not batch.is_decode[i]:
+            self.cache.checkpoint(req, batch.ends[i])  # publish the prompt right after prefill
+
+    def finish(self, req: Req, reason: dict[str, Any]) -> None:
+        req.finished_reason = reason
+        self.future_of.pop(id(req), None)
+        if req.has_kv:
+            self.cache.release(req, insert=reason.get("type") != "abort")
+            self.client.release([req.rid])
+        key = "num_aborted_reqs" if reason.get("type") == "abort" else "num_finished_reqs"
+        self.counters[key] += 1
+
+    def on_idle(self) -> None:
+        if self.has_work():
+            return
+        self.decode.ratio.reset()
+        if self.args.debug_invariants:
+            self.cache.check_idle()
+
+    # ---------------------------------------------------------------- control
+    def flush_cache(self) -> FlushCacheResp:
+        if self.has_work():
+            return FlushCacheResp(False, "cannot flush the cache while requests are running")
+        self.cache.flush()
+        return FlushCacheResp(True)
+
+    def stats(self) -> dict[str, Any]:
+        c = self.counters
+        alloc = self.cache.allocator
+        cap = alloc.capacity()
+        evictable = self.cache.tree.evictable_size() if self.cache.enabled else 0
+        prompt = c["num_prompt_tokens_total"]
+        return {
+            **c,
+            "num_running_reqs": len(self.running),
+            "num_waiting_reqs": len(self.waiting) + (self.prefill.chunked_req is not None),
+            "kv_total_tokens": cap,
+            "kv_free_tokens": alloc.available_size(),
+            "kv_evictable_tokens": evictable,
+            "kv_used_tokens": cap - alloc.available_size() - evictable,
+            "kv_usage": (cap - alloc.available_size() - evictable) / max(cap, 1),
+            "cache_hit_rate": c["num_cached_tokens_total"] / prompt if prompt else 0.0,
+            "waiting_hit_tokens": self.policy.waiting_hit_tokens,
+            "new_token_ratio": self.decode.ratio.value,
+            "num_evicted_tokens": self.cache.num_evicted_tokens,
+            "uptime_s": time.monotonic() - self.started_at,
+        }

@@ -1,0 +1,1 @@
+"""The HTTP front end: FastAPI app, OpenAI protocol models and the TokenizerManager."""
