@@ -220,6 +220,10 @@ def test_extend_bf16_default_blocks():
     _check_extend([17], [6], 2, 1, 16, 1, torch.bfloat16, "cpu")
 
 
+def test_extend_without_any_prefix():
+    _check_extend([0, 0], [3, 20], 2, 2, 16, 1, torch.float32, "cpu", (16, 16))
+
+
 def test_extend_head_dim_128_group_8_long():
     # Default 64x64 tiles: several query blocks and prefix tiles per request.
     _check_extend([130, 0, 64], [150, 65, 1], 8, 1, 128, 16, torch.float32, "cpu")

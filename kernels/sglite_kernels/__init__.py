@@ -6,6 +6,7 @@ flattened slot ids), which covers any page size. Every launcher validates shapes
 devices and strides on the host and raises ValueError on a broken contract.
 """
 
+from ._common import interpreted
 from .decode_attention import decode_attention, num_kv_splits
 from .extend_attention import extend_attention
 from .kv_indices import fill_kv_indices
@@ -15,6 +16,7 @@ __all__ = [
     "decode_attention",
     "extend_attention",
     "fill_kv_indices",
+    "interpreted",
     "num_kv_splits",
     "store_kv",
 ]

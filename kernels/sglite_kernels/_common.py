@@ -1,4 +1,4 @@
-"""Layout-contract checks shared by the kernel launchers.
+"""Layout-contract checks and small Triton helpers shared by the kernel launchers.
 
 Each launcher validates its inputs once, on the host, without reading device memory (no
 synchronisation); a violated contract raises ValueError naming the tensor and what to do.
@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.jit import JITFunction
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -53,6 +54,16 @@ def check_same_device(**tensors: torch.Tensor) -> None:
     if len(set(devices.values())) > 1:
         listed = ", ".join(f"{n}={d}" for n, d in devices.items())
         raise ValueError(f"all tensors must be on one device ({listed})")
+    if next(iter(devices.values())).type == "cpu" and not interpreted():
+        raise ValueError(
+            "CPU tensors need the Triton interpreter: set TRITON_INTERPRET=1 before "
+            "sglite_kernels is imported, or move the tensors to a GPU"
+        )
+
+
+def interpreted() -> bool:
+    """Whether the kernels were built for Triton's CPU interpreter (TRITON_INTERPRET=1 at import)."""
+    return not isinstance(tile_dot, JITFunction)
 
 
 def check_head_dim(head_dim: int) -> None:

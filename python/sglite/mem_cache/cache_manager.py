@@ -33,11 +33,11 @@ class CacheManager:
         # The scheduler writes slots into a host table. On CPU it is the pool's own tensor
         # (shared memory); on a device it is a mirror whose rows travel with each batch.
         t = req_to_token_pool.req_to_token
-        self.mirrored = getattr(t, "device", None) is not None and t.device.type != "cpu"
+        self.mirrored = not isinstance(t, np.ndarray) and t.device.type != "cpu"
         if self.mirrored:
             self.table = np.zeros(tuple(t.shape), dtype=np.int32)
         else:
-            self.table = t.numpy() if hasattr(t, "numpy") else t
+            self.table = t if isinstance(t, np.ndarray) else t.numpy()
 
     # ---------------------------------------------------------------- matching
     def match(self, req: Req) -> int:
@@ -83,17 +83,24 @@ class CacheManager:
 
     def alloc_extend(self, reqs: list[Req], starts: list[int], ends: list[int]) -> np.ndarray | None:
         """Slots for positions [start, end) of each request (rows must exist)."""
-        last_locs = [int(self.table[r.row, s - 1]) if s > 0 else -1 for r, s in zip(reqs, starts)]
-        need = sum(e - s for s, e in zip(starts, ends)) + len(reqs) * self.page_size
-        self.evict_for(need)
-        slots = self.allocator.alloc_extend(starts, ends, last_locs)
+        rows = np.fromiter((r.row for r in reqs), np.int64, len(reqs))
+        start = np.asarray(starts, dtype=np.int64)
+        end = np.asarray(ends, dtype=np.int64)
+        last_locs = np.where(start > 0, self.table[rows, np.maximum(start - 1, 0)], -1)
+        self.evict_for(int((end - start).sum()) + len(reqs) * self.page_size)
+        slots = self.allocator.alloc_extend(start, end, last_locs)
         if slots is None:
             return None
-        pos = 0
-        for req, s, e in zip(reqs, starts, ends):
-            self.table[req.row, s:e] = slots[pos : pos + e - s]
-            pos += e - s
-            req.alloc_len = max(req.alloc_len, e)
+        if bool(np.all(end - start == 1)):  # decode: one slot per row
+            self.table[rows, start] = slots
+        else:
+            pos = 0
+            for row, s, e in zip(rows.tolist(), starts, ends):
+                self.table[row, s:e] = slots[pos : pos + e - s]
+                pos += e - s
+        for req, e in zip(reqs, ends):
+            if e > req.alloc_len:
+                req.alloc_len = e
         return slots
 
     def evict_for(self, num_tokens: int) -> None:

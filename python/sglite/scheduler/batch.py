@@ -58,9 +58,18 @@ class ScheduleBatch:
     future_slots: np.ndarray | None = None
     out_cache_loc: np.ndarray | None = None
 
+    sample_mask: list[bool] = field(default_factory=list)
+
     def __post_init__(self) -> None:
         if not self.epochs:
             self.epochs = [r.epoch for r in self.reqs]
+        self.refresh_sample_mask()
+
+    def refresh_sample_mask(self) -> None:
+        """Which rows yield an output token (a middle chunk does not); fixed at creation."""
+        self.sample_mask = [
+            dec or end >= r.fill_len for r, end, dec in zip(self.reqs, self.ends, self.is_decode)
+        ]
 
     @property
     def mode(self) -> Mode:
@@ -75,10 +84,6 @@ class ScheduleBatch:
     @property
     def num_tokens(self) -> int:
         return sum(e - s for s, e in zip(self.starts, self.ends))
-
-    def samples(self, i: int) -> bool:
-        """Whether row i yields an output token (a middle chunk does not)."""
-        return self.ends[i] >= self.reqs[i].fill_len or self.is_decode[i]
 
     def input_ids(self, future_of: dict[int, int]) -> np.ndarray:
         """Flat input ids; decode rows whose input is in flight get a future reference."""

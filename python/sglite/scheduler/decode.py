@@ -65,9 +65,8 @@ class DecodeManager:
             reqs = self._retract(reqs)
             if not reqs:
                 return None
-        batch = ScheduleBatch(reqs, [], [], [True] * len(reqs))
-        batch.starts, batch.ends, batch.out_cache_loc = self._alloc(reqs)
-        return batch
+        starts, ends, slots = self._alloc(reqs)
+        return ScheduleBatch(reqs, starts, ends, [True] * len(reqs), out_cache_loc=slots)
 
     def mix_into(self, batch: ScheduleBatch, running: list[Req]) -> None:
         """Append decode rows to a prefill batch (--enable-mixed-chunk) when they fit."""
@@ -80,6 +79,7 @@ class DecodeManager:
         batch.ends += ends
         batch.is_decode += [True] * len(reqs)
         batch.epochs += [r.epoch for r in reqs]
+        batch.refresh_sample_mask()
         batch.out_cache_loc = np.concatenate([batch.out_cache_loc, slots])
 
     def _alloc(self, reqs: list[Req]):

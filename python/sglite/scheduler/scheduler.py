@@ -195,7 +195,7 @@ class Scheduler:
             sp = req.sampling_params
             uses = sp.frequency_penalty or sp.presence_penalty or sp.repetition_penalty != 1.0
             penalty.append((req.input_ids, list(req.output_ids)) if uses else None)
-            if batch.samples(i):
+            if batch.sample_mask[i]:
                 self.future_of[id(req)] = int(slots[i])
                 req.scheduled_outputs += 1
         fi = ForwardInput(
@@ -229,13 +229,15 @@ class Scheduler:
         alloc.free_group_begin()
         touched: list[Req] = []
         try:
+            slots = batch.future_slots.tolist()
+            toks = tokens.tolist()
             for i, req in enumerate(batch.reqs):
-                if req.epoch != batch.epochs[i] or req.finished or not batch.samples(i):
+                if req.epoch != batch.epochs[i] or req.finished or not batch.sample_mask[i]:
                     continue
-                if self.future_of.get(id(req)) == int(batch.future_slots[i]):
+                if self.future_of.get(id(req)) == slots[i]:
                     del self.future_of[id(req)]
                 touched.append(req)
-                self._append_token(req, int(tokens[i]), batch, i)
+                self._append_token(req, toks[i], batch, i)
         finally:
             alloc.free_group_end()
         self.streamer.stream(touched)

@@ -64,9 +64,10 @@ impl ChildIndex {
         nodes[parent as usize].num_children -= 1;
     }
 
-    /// Put `new` where `old` was filed (same parent, namespace and first page).
+    /// Put `new` where `old` was filed (same parent, namespace and first page; `old` may have
+    /// lost its tokens already, so the bucket comes from `new`).
     pub fn replace(&mut self, nodes: &mut [Node], old: u32, new: u32) {
-        let key = self.bucket_of(nodes, old);
+        let key = self.bucket_of(nodes, new);
         nodes[new as usize].next_sibling = nodes[old as usize].next_sibling;
         self.relink(nodes, key, old, new);
     }

@@ -1,0 +1,181 @@
+"""TritonAttnBackend: paged attention through the sglite_kernels Triton kernels (CUDA default).
+
+Per forward, `init_forward_metadata` builds CSR addressing over slot ids on the device, with
+no host sync (lengths come from the batch's `*_cpu` mirrors):
+
+| mode           | kv_indptr / kv_indices cover             | also                            |
+|----------------|------------------------------------------|---------------------------------|
+| decode         | positions 0 .. seq_len-1 (new token too) | num_kv_splits [B]               |
+| extend / mixed | the cached prefix 0 .. prefix_len-1      | qo_indptr [B+1], max_extend_len |
+
+Every layer then stores its K/V with the `store_kv` kernel (`save_kv`) and runs one kernel:
+split-KV decode, or extend (prefix through the slot list, new tokens from this step's k/v).
+Slot-level indices work for any page size. On CPU the kernels run only through Triton's
+interpreter (TRITON_INTERPRET=1 before start-up), which the test suite uses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from sglite_kernels import (
+    decode_attention,
+    extend_attention,
+    fill_kv_indices,
+    interpreted,
+    num_kv_splits,
+    store_kv,
+)
+
+from sglite.attention.base import AttentionBackend
+
+if TYPE_CHECKING:
+    from sglite.layers.radix_attention import RadixAttention
+    from sglite.model_executor.forward_batch import ForwardBatch
+
+# Upper bound of decode splits per request: the stage-1 grid's third dim and the scratch size.
+MAX_KV_SPLITS = 16
+
+
+@dataclass(eq=False)
+class _Metadata:
+    kv_indptr: torch.Tensor  # [B+1] int32
+    kv_indices: torch.Tensor  # int32 slot ids
+    # Decode only.
+    num_kv_splits: torch.Tensor | None = None
+    mid_o: torch.Tensor | None = None  # split scratch, allocated by the first layer
+    mid_lse: torch.Tensor | None = None
+    # Extend only.
+    qo_indptr: torch.Tensor | None = None
+    max_extend_len: int = 0
+
+
+def _indptr(lens: torch.Tensor) -> torch.Tensor:
+    indptr = torch.zeros(lens.shape[0] + 1, dtype=torch.int32, device=lens.device)
+    indptr[1:] = torch.cumsum(lens, 0)
+    return indptr
+
+
+class TritonAttnBackend(AttentionBackend):
+    def __init__(self, runner) -> None:
+        super().__init__(runner)
+        self._meta: _Metadata | None = None
+        self._num_sms: int | None = None
+
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        device = batch.kv_pool.device
+        if device.type == "cpu" and not interpreted():
+            raise ValueError(
+                "the triton attention backend on CPU needs TRITON_INTERPRET=1 set before "
+                "start-up (slow, for tests); use --attention-backend torch_native"
+            )
+        if batch.forward_mode.is_decode():
+            self._meta = self._decode_metadata(batch)
+        else:
+            self._meta = self._extend_metadata(batch)
+
+    def _slot_lists(self, batch: ForwardBatch, lens: torch.Tensor, total: int):
+        kv_indptr = _indptr(lens)
+        kv_indices = torch.empty(total, dtype=torch.int32, device=lens.device)
+        table = batch.req_to_token_pool.req_to_token
+        fill_kv_indices(table, batch.req_pool_indices, lens, kv_indptr, kv_indices)
+        return kv_indptr, kv_indices
+
+    def _decode_metadata(self, batch: ForwardBatch) -> _Metadata:
+        kv_indptr, kv_indices = self._slot_lists(batch, batch.seq_lens, sum(batch.seq_lens_cpu))
+        splits = num_kv_splits(
+            batch.seq_lens, batch.kv_pool.num_kv_heads, self._sm_count(batch), MAX_KV_SPLITS
+        )
+        return _Metadata(kv_indptr, kv_indices, num_kv_splits=splits)
+
+    def _extend_metadata(self, batch: ForwardBatch) -> _Metadata:
+        kv_indptr, kv_indices = self._slot_lists(
+            batch, batch.extend_prefix_lens, sum(batch.extend_prefix_lens_cpu)
+        )
+        return _Metadata(
+            kv_indptr,
+            kv_indices,
+            qo_indptr=_indptr(batch.extend_seq_lens),
+            max_extend_len=max(batch.extend_seq_lens_cpu, default=0),
+        )
+
+    def _sm_count(self, batch: ForwardBatch) -> int:
+        if self._num_sms is None:
+            device = batch.kv_pool.device
+            self._num_sms = (
+                torch.cuda.get_device_properties(device).multi_processor_count
+                if device.type == "cuda"
+                else 1
+            )
+        return self._num_sms
+
+    # ------------------------------------------------------------------ per layer
+    def save_kv(
+        self, layer: RadixAttention, batch: ForwardBatch, k: torch.Tensor, v: torch.Tensor
+    ) -> None:
+        pool = batch.kv_pool
+        store_kv(
+            k.to(pool.dtype),
+            v.to(pool.dtype),
+            pool.k_buffer[layer.layer_id],
+            pool.v_buffer[layer.layer_id],
+            batch.out_cache_loc,
+        )
+
+    def forward_decode(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: RadixAttention,
+        batch: ForwardBatch,
+    ) -> torch.Tensor:
+        meta, pool = self._meta, batch.kv_pool
+        q_kv = q.to(pool.dtype)
+        if meta.mid_o is None:
+            shape = (q.shape[0], q.shape[1], MAX_KV_SPLITS)
+            meta.mid_o = torch.empty((*shape, q.shape[2]), dtype=torch.float32, device=q.device)
+            meta.mid_lse = torch.empty(shape, dtype=torch.float32, device=q.device)
+        out = torch.empty_like(q_kv)
+        decode_attention(
+            q_kv,
+            pool.k_buffer[layer.layer_id],
+            pool.v_buffer[layer.layer_id],
+            out,
+            meta.kv_indptr,
+            meta.kv_indices,
+            meta.num_kv_splits,
+            MAX_KV_SPLITS,
+            layer.scaling,
+            meta.mid_o,
+            meta.mid_lse,
+        )
+        return out.to(q.dtype)
+
+    def forward_extend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: RadixAttention,
+        batch: ForwardBatch,
+    ) -> torch.Tensor:
+        meta, pool = self._meta, batch.kv_pool
+        q_kv = q.to(pool.dtype)
+        out = torch.empty_like(q_kv)
+        extend_attention(
+            q_kv,
+            k.to(pool.dtype),
+            v.to(pool.dtype),
+            out,
+            pool.k_buffer[layer.layer_id],
+            pool.v_buffer[layer.layer_id],
+            meta.qo_indptr,
+            meta.kv_indptr,
+            meta.kv_indices,
+            meta.max_extend_len,
+            layer.scaling,
+        )
+        return out.to(q.dtype)

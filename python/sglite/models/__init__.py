@@ -1,0 +1,1 @@
+"""Model definitions, their registry, and checkpoint loading (HF folders and GGUF)."""

@@ -1,0 +1,190 @@
+"""Request and response bodies of the HTTP API (native /generate and OpenAI-compatible).
+
+Request models are strict (a string is not a number, "yes" is not a boolean) so that wrong
+types become a 400 naming the field; unknown top-level keys are ignored, as OpenAI clients
+send extras. Value ranges are checked by SamplingParams and the TokenizerManager.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class GenerateRequest(_Request):
+    """POST /generate (SGLang's native API)."""
+
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
+    stream: bool = False
+    rid: str | list[str] | None = None
+    return_logprob: bool = False
+
+
+class AbortRequest(_Request):
+    rid: str = ""
+    abort_all: bool = False
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class _OpenAISampling(_Request):
+    """Fields shared by completions and chat (OpenAI's, then SGLang's extras)."""
+
+    model: str
+    n: int = 1
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    user: str | None = None
+    # SGLang extras
+    top_k: int | None = None
+    min_p: float | None = None
+    min_tokens: int | None = None
+    repetition_penalty: float | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
+    no_stop_trim: bool | None = None
+    rid: str | None = None
+
+    def sampling_dict(self, max_new_tokens: int | None) -> dict[str, Any]:
+        """The SamplingParams keyword arguments this request sets (None = default)."""
+        pairs = {
+            "max_new_tokens": max_new_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "min_new_tokens": self.min_tokens,
+            "frequency_penalty": self.frequency_penalty,
+            "presence_penalty": self.presence_penalty,
+            "repetition_penalty": self.repetition_penalty,
+            "stop": self.stop,
+            "stop_token_ids": self.stop_token_ids,
+            "ignore_eos": self.ignore_eos,
+            "skip_special_tokens": self.skip_special_tokens,
+            "no_stop_trim": self.no_stop_trim,
+            "seed": self.seed,
+            "n": self.n,
+        }
+        return {k: v for k, v in pairs.items() if v is not None}
+
+
+class CompletionRequest(_OpenAISampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    echo: bool = False
+    logprobs: int | None = None
+
+
+class ChatMessage(_Request):
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_OpenAISampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    tools: list[dict[str, Any]] | None = None
+
+
+# ---------------------------------------------------------------------- responses
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: dict[str, int] | None = None
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: None = None
+    finish_reason: str | None = None
+    matched_stop: int | str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str = Field(default_factory=lambda: f"cmpl-{uuid.uuid4().hex}")
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class ChatMessageOut(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatMessageOut
+    logprobs: None = None
+    finish_reason: str | None = None
+    matched_stop: int | str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str = Field(default_factory=lambda: f"chatcmpl-{uuid.uuid4().hex}")
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo | None = None
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatStreamChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: None = None
+    finish_reason: str | None = None
+    matched_stop: int | str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: UsageInfo | None = None
+
+
+class CompletionChunk(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+def error_body(message: str, status_code: int, param: str | None = None) -> dict[str, Any]:
+    kind = "invalid_request_error" if status_code < 500 else "server_error"
+    return {"error": {"message": message, "type": kind, "param": param, "code": status_code}}

@@ -1,0 +1,360 @@
+//! RadixTree: the prefix-cache index, token ids -> KV slots (twin of `radix_tree.py`).
+//!
+//! Contract (the Python twin's module docstring is the full text):
+//! - Keys match in whole pages; a node is split where a match or an insert ends inside it.
+//!   `extra_key` namespaces the key; equal tokens under different keys never share nodes.
+//! - Node ids: root 0, then 1, 2, ... in creation order, never reused (not even after `reset`).
+//! - Time is a logical clock, one tick per `match_prefix` / `insert`; every node on the walked
+//!   path gets the tick. A split's upper half takes the tick, the lower half keeps its time.
+//! - Locks count references along the path to the root; sizes move between evictable and
+//!   protected on 0 <-> 1 transitions. Locking the root only counts.
+//! - `evict` removes unlocked leaves in policy order (see `order.rs`); the order is kept
+//!   incrementally. hit_count: 1 at creation, +1 per insert walking through; priority: an insert
+//!   raises every node it walks to max(old, priority).
+//!
+//! Tokens and slots are stored as u32 (callers convert with `crate::to_u32`).
+
+mod children;
+mod inspect;
+mod namespaces;
+mod node;
+mod order;
+#[cfg(test)]
+mod tests;
+
+use children::ChildIndex;
+use namespaces::Namespaces;
+use node::{Arena, Node, NIL, ROOT};
+use order::LeafOrder;
+pub use order::EvictionPolicy;
+
+use crate::error::{bad, CoreError, CoreResult};
+
+pub struct RadixTree {
+    page_size: usize,
+    arena: Arena,
+    children: ChildIndex,
+    leaves: LeafOrder,
+    namespaces: Namespaces,
+    next_id: u64,
+    clock: u64,
+    evictable: usize,
+    protected: usize,
+    root_locks: u64,
+    /// Scratch: the nodes of the last walk (reused to avoid an allocation per call).
+    path: Vec<u32>,
+}
+
+impl RadixTree {
+    pub fn new(page_size: i64, policy: EvictionPolicy) -> CoreResult<Self> {
+        let page_size = crate::check_page_size(page_size)?;
+        Ok(Self {
+            page_size,
+            arena: Arena::new(),
+            children: ChildIndex::new(page_size),
+            leaves: LeafOrder::new(policy),
+            namespaces: Namespaces::new(),
+            next_id: 1,
+            clock: 0,
+            evictable: 0,
+            protected: 0,
+            root_locks: 0,
+            path: Vec::new(),
+        })
+    }
+
+    pub fn page_size(&self) -> usize {
+        self.page_size
+    }
+
+    pub fn eviction_policy(&self) -> EvictionPolicy {
+        self.leaves.policy()
+    }
+
+    /// Drop every node; ids keep counting, so pre-reset ids become stale.
+    pub fn reset(&mut self) {
+        self.arena = Arena::new();
+        self.children.clear();
+        self.leaves.clear();
+        self.namespaces = Namespaces::new();
+        self.clock = 0;
+        self.evictable = 0;
+        self.protected = 0;
+        self.root_locks = 0;
+    }
+
+    /// Longest cached prefix in whole pages: (its slots, the last matched node id).
+    pub fn match_prefix(&mut self, tokens: &[u32], extra_key: Option<&str>) -> (Vec<i64>, u64) {
+        let key = self.page_aligned(tokens);
+        let ns = self.namespaces.lookup(extra_key);
+        self.clock += 1;
+        let mut path = std::mem::take(&mut self.path);
+        let (last, matched) = self.walk(key, ns, None, &mut path);
+        let mut slots = Vec::with_capacity(matched);
+        for &slot in &path {
+            slots.extend(self.node(slot).value().iter().map(|&v| i64::from(v)));
+        }
+        path.clear();
+        self.path = path;
+        (slots, self.node(last).id)
+    }
+
+    /// Insert the page-aligned prefix of `tokens`: (tokens already cached, last node id).
+    pub fn insert(
+        &mut self,
+        tokens: &[u32],
+        slots: &[u32],
+        extra_key: Option<&str>,
+        priority: i64,
+    ) -> CoreResult<(usize, u64)> {
+        if tokens.len() != slots.len() {
+            return bad(format!("tokens and slots differ in length ({} vs {})", tokens.len(), slots.len()));
+        }
+        let key = self.page_aligned(tokens);
+        let ns = self.namespaces.lookup(extra_key);
+        self.clock += 1;
+        let mut path = std::mem::take(&mut self.path);
+        let (mut last, cached_len) = self.walk(key, ns, Some(priority), &mut path);
+        path.clear();
+        self.path = path;
+        if cached_len < key.len() {
+            // An unknown namespace stops the walk at the root: intern it for the new root child.
+            let ns = ns.unwrap_or_else(|| self.namespaces.intern(extra_key));
+            let mut leaf = Node::new(self.next_id, last, ns, &key[cached_len..], &slots[cached_len..key.len()]);
+            self.next_id += 1;
+            leaf.access = self.clock;
+            leaf.creation = self.clock;
+            leaf.priority = priority;
+            let len = leaf.len();
+            let leaf = self.arena.alloc(leaf);
+            self.children.add(&mut self.arena.nodes, leaf);
+            if last == ROOT {
+                self.namespaces.retain(ns);
+            }
+            self.evictable += len;
+            self.refresh(last);
+            self.refresh(leaf);
+            last = leaf;
+        }
+        Ok((cached_len, self.node(last).id))
+    }
+
+    pub fn lock(&mut self, node_id: i64) -> CoreResult<()> {
+        let slot = self.slot(node_id)?;
+        if slot == ROOT {
+            self.root_locks += 1;
+            return Ok(());
+        }
+        self.add_lock(slot, true)
+    }
+
+    pub fn unlock(&mut self, node_id: i64) -> CoreResult<()> {
+        let slot = self.slot(node_id)?;
+        if slot == ROOT {
+            if self.root_locks == 0 {
+                return Err(CoreError::NotLocked("unlock of the root, which is not locked".into()));
+            }
+            self.root_locks -= 1;
+            return Ok(());
+        }
+        if self.node(slot).lock_ref == 0 {
+            return Err(CoreError::NotLocked(format!("unlock of node {node_id}, which is not locked")));
+        }
+        self.add_lock(slot, false)
+    }
+
+    /// Free unlocked leaves in policy order until at least `num_tokens` are freed or none is
+    /// left; returns the freed slots in eviction order.
+    pub fn evict(&mut self, num_tokens: usize) -> Vec<i64> {
+        let mut freed = Vec::new();
+        while freed.len() < num_tokens {
+            let Some(id) = self.leaves.pop_first() else { break };
+            let Some(slot) = self.arena.slot(id) else { continue };
+            let node = self.node(slot);
+            let (parent, ns, len) = (node.parent, node.ns, node.len());
+            freed.extend(node.value().iter().map(|&v| i64::from(v)));
+            self.children.remove(&mut self.arena.nodes, slot);
+            if parent == ROOT {
+                self.namespaces.release(ns);
+            }
+            self.evictable -= len;
+            self.arena.release(slot);
+            self.refresh(parent);
+        }
+        freed
+    }
+
+    pub fn evictable_size(&self) -> usize {
+        self.evictable
+    }
+
+    pub fn protected_size(&self) -> usize {
+        self.protected
+    }
+
+    pub fn total_size(&self) -> usize {
+        self.evictable + self.protected
+    }
+
+    /// Number of nodes, not counting the root.
+    pub fn node_count(&self) -> usize {
+        self.arena.live_count() - 1
+    }
+
+    /// Bytes held by the tree: node structs, token/slot blocks, the index maps, the order.
+    pub fn memory_bytes(&self) -> usize {
+        std::mem::size_of::<Self>()
+            + self.arena.memory_bytes()
+            + self.children.memory_bytes()
+            + self.leaves.memory_bytes()
+            + self.namespaces.memory_bytes()
+            + self.path.capacity() * 4
+    }
+
+    // ------------------------------------------------------------------ internals
+    #[inline]
+    fn node(&self, slot: u32) -> &Node {
+        &self.arena.nodes[slot as usize]
+    }
+
+    #[inline]
+    fn node_mut(&mut self, slot: u32) -> &mut Node {
+        &mut self.arena.nodes[slot as usize]
+    }
+
+    fn slot(&self, node_id: i64) -> CoreResult<u32> {
+        u64::try_from(node_id)
+            .ok()
+            .and_then(|id| self.arena.slot(id))
+            .ok_or_else(|| CoreError::BadArgument(format!("unknown or stale node id {node_id}")))
+    }
+
+    fn page_aligned<'a>(&self, tokens: &'a [u32]) -> &'a [u32] {
+        &tokens[..tokens.len() / self.page_size * self.page_size]
+    }
+
+    /// Walk down from the root along `key`, splitting where the match ends inside a node and
+    /// stamping each visited node (plus hits/priority when `insert_priority` is given).
+    /// Returns (last node, matched length); `path` gets the visited nodes.
+    fn walk(&mut self, key: &[u32], ns: Option<u32>, insert_priority: Option<i64>, path: &mut Vec<u32>) -> (u32, usize) {
+        let Some(ns) = ns else { return (ROOT, 0) };
+        let ps = self.page_size;
+        let (mut node, mut pos) = (ROOT, 0);
+        while pos < key.len() {
+            let Some(child) = self.children.find(&self.arena.nodes, node, ns, &key[pos..pos + ps]) else {
+                break;
+            };
+            let child_node = self.node(child);
+            let n = common_len(child_node.key(), &key[pos..]) / ps * ps;
+            let child = if n < child_node.len() { self.split(child, n) } else { child };
+            self.visit(child, insert_priority);
+            path.push(child);
+            node = child;
+            pos += n;
+        }
+        (node, pos)
+    }
+
+    fn visit(&mut self, slot: u32, insert_priority: Option<i64>) {
+        let in_leaves = self.node(slot).in_leaves;
+        if in_leaves {
+            self.leaves.remove(&self.arena.nodes[slot as usize]);
+        }
+        let clock = self.clock;
+        let node = self.node_mut(slot);
+        if let Some(priority) = insert_priority {
+            node.hits += 1;
+            node.priority = node.priority.max(priority);
+        }
+        node.access = clock;
+        if in_leaves {
+            self.leaves.insert(&self.arena.nodes[slot as usize]);
+        }
+    }
+
+    /// Cut `child` after n tokens; a new upper node (a fresh id) takes its place. Returns it.
+    fn split(&mut self, child: u32, n: usize) -> u32 {
+        let (key, value) = self.node_mut(child).split_off_front(n);
+        let id = self.next_id;
+        self.next_id += 1;
+        let old = self.node(child);
+        let mut upper = Node::new(id, old.parent, old.ns, &key, &value);
+        upper.lock_ref = old.lock_ref;
+        upper.access = old.access;
+        upper.creation = old.creation;
+        upper.hits = old.hits;
+        upper.priority = old.priority;
+        let upper = self.arena.alloc(upper);
+        // The upper half has the same parent, namespace and first page: it takes child's edge.
+        self.children.replace(&mut self.arena.nodes, child, upper);
+        let lower = self.node_mut(child);
+        lower.parent = upper;
+        lower.next_sibling = NIL;
+        self.children.add(&mut self.arena.nodes, child);
+        upper
+    }
+
+    /// Add (or remove) one lock on the path from `slot` to the root, then fix its leaf status.
+    fn add_lock(&mut self, slot: u32, lock: bool) -> CoreResult<()> {
+        let mut at = slot;
+        while at != ROOT {
+            let node = self.node_mut(at);
+            let (len, before) = (node.len(), node.lock_ref);
+            let after = if lock {
+                before + 1
+            } else {
+                before.checked_sub(1).ok_or_else(|| {
+                    CoreError::Invariant(format!("node {} is locked less than its descendants", node.id))
+                })?
+            };
+            node.lock_ref = after;
+            at = node.parent;
+            match (before, after) {
+                (0, 1) => {
+                    self.evictable -= len;
+                    self.protected += len;
+                }
+                (1, 0) => {
+                    self.protected -= len;
+                    self.evictable += len;
+                }
+                _ => {}
+            }
+        }
+        self.refresh(slot);
+        Ok(())
+    }
+
+    /// Recompute whether `slot` is an evictable leaf and update the order.
+    fn refresh(&mut self, slot: u32) {
+        if slot == ROOT {
+            return;
+        }
+        let node = &self.arena.nodes[slot as usize];
+        let evictable_leaf = node.lock_ref == 0 && node.num_children == 0;
+        if evictable_leaf != node.in_leaves {
+            if evictable_leaf {
+                self.leaves.insert(node);
+            } else {
+                self.leaves.remove(node);
+            }
+            self.node_mut(slot).in_leaves = evictable_leaf;
+        }
+    }
+}
+
+/// Length of the common prefix of a and b.
+#[inline]
+fn common_len(a: &[u32], b: &[u32]) -> usize {
+    let n = a.len().min(b.len());
+    let (a, b) = (&a[..n], &b[..n]);
+    const BLOCK: usize = 32;
+    let mut i = 0;
+    while i + BLOCK <= n && a[i..i + BLOCK] == b[i..i + BLOCK] {
+        i += BLOCK;
+    }
+    while i < n && a[i] == b[i] {
+        i += 1;
+    }
+    i
+}
