@@ -22,6 +22,7 @@ from sglite_kernels import (  # noqa: E402
     decode_attention,
     extend_attention,
     fill_kv_indices,
+    interpreted,
     num_kv_splits,
     store_kv,
 )
@@ -30,6 +31,12 @@ CUDA = torch.cuda.is_available()
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs CUDA")
 TOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2, torch.float16: 5e-3}
+
+
+@pytest.fixture(autouse=True)
+def _cpu_cases_need_the_interpreter(request):
+    if request.node.get_closest_marker("gpu") is None and not interpreted():
+        pytest.skip("CPU kernel cases need Triton's interpreter, off under SGL_TEST_GPU=1")
 
 
 class Pool:

@@ -61,6 +61,8 @@ class ServerArgs:
                                        "model path).")
     tree_core: str | None = _f(None, "Tree core: python, rust or auto (default: SGL_TREE_CORE "
                                "or python).", choices=("python", "rust", "auto"))
+    schedule_conservativeness: float = _f(1.0, "Scales the initial new_token_ratio (0.7): "
+                                          "lower admits more eagerly and retracts more often.")
     stream_interval: int = _f(1, "Stream every N tokens.")
     random_seed: int = _f(0, "Seed of the sampler for requests without their own seed.")
     debug_invariants: bool = _f(False, "Check KV-pool conservation whenever the scheduler "
@@ -93,6 +95,8 @@ class ServerArgs:
             bad("tp_size", f"only 1 is supported for now, got {self.tp_size}")
         if not 0 < self.port < 65536:
             bad("port", f"must be in 1..65535, got {self.port}")
+        if not 0 < self.schedule_conservativeness <= 10:
+            bad("schedule_conservativeness", f"must be in (0, 10], got {self.schedule_conservativeness}")
         if self.stream_interval < 1:
             bad("stream_interval", f"must be >= 1, got {self.stream_interval}")
         for name in ("dtype", "schedule_policy", "radix_eviction_policy", "attention_backend",

@@ -223,17 +223,21 @@ class LlamaForCausalLM(nn.Module):
                     "is the architecture in config.json right?"
                 )
             getattr(param, "weight_loader", default_weight_loader)(param, tensor, shard_id)
-            loaded.add(f"{target}#{shard_id}")
-        expected = set()
-        for name, _ in self.named_parameters():
-            shards = [s for ours, _, s in self.stacked_params if f".{ours}." in name]
-            expected |= {f"{name}#{s}" for s in shards} if shards else {f"{name}#None"}
-        missing = sorted(expected - loaded)
+            loaded.add(name)
+        missing = sorted(self._checkpoint_names() - loaded)
         if missing:
             raise ValueError(
                 f"checkpoint lacks {len(missing)} tensor(s) of {type(self).__name__}, e.g. "
-                + ", ".join(m.replace("#None", "") for m in missing[:5])
+                + ", ".join(missing[:5])
             )
+
+    def _checkpoint_names(self) -> set[str]:
+        """The HF tensor names this model needs (stacked parameters expanded)."""
+        names = set()
+        for name, _ in self.named_parameters():
+            stacked = [(o, t) for o, t, _ in self.stacked_params if f".{o}." in name]
+            names |= {name.replace(f".{o}.", f".{t}.") for o, t in stacked} if stacked else {name}
+        return names
 
     def prepack(self) -> int:
         """CPU: pack linear weights for oneDNN (see layers.linear). Returns how many packed."""

@@ -35,6 +35,7 @@ class ForwardInput:
     rows: np.ndarray  # request rows (ReqToTokenPool)
     prefix_lens: np.ndarray  # positions already cached before this step
     seq_lens: np.ndarray  # positions after this step
+    prompt_lens: np.ndarray  # seq_lens - prompt_lens = output tokens before this step's one
     input_ids: np.ndarray  # flat; negative = future reference
     out_cache_loc: np.ndarray  # flat KV slots of the computed positions
     sampling_params: list[SamplingParams]

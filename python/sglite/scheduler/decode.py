@@ -24,21 +24,23 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 INIT_NEW_TOKEN_RATIO = 0.7
-MIN_NEW_TOKEN_RATIO = INIT_NEW_TOKEN_RATIO * 0.14
+MIN_NEW_TOKEN_RATIO_FACTOR = 0.14
 NEW_TOKEN_RATIO_DECAY_STEPS = 600
 RETRACT_DECODE_STEPS = 20
 
 
 class NewTokenRatio:
-    def __init__(self) -> None:
-        self.value = INIT_NEW_TOKEN_RATIO
-        self.decay = (INIT_NEW_TOKEN_RATIO - MIN_NEW_TOKEN_RATIO) / NEW_TOKEN_RATIO_DECAY_STEPS
+    def __init__(self, conservativeness: float = 1.0) -> None:
+        self.init = min(INIT_NEW_TOKEN_RATIO * conservativeness, 1.0)
+        self.min = self.init * MIN_NEW_TOKEN_RATIO_FACTOR
+        self.decay = (self.init - self.min) / NEW_TOKEN_RATIO_DECAY_STEPS
+        self.value = self.init
 
     def decay_step(self) -> None:
-        self.value = max(self.value - self.decay, MIN_NEW_TOKEN_RATIO)
+        self.value = max(self.value - self.decay, self.min)
 
     def reset(self) -> None:
-        self.value = INIT_NEW_TOKEN_RATIO
+        self.value = self.init
 
     def after_retract(self, remaining: list[Req]) -> None:
         decoded = sum(len(r.output_ids) for r in remaining)
@@ -49,7 +51,7 @@ class NewTokenRatio:
 class DecodeManager:
     def __init__(self, sched: Scheduler):
         self.s = sched
-        self.ratio = NewTokenRatio()
+        self.ratio = NewTokenRatio(sched.args.schedule_conservativeness)
 
     def decodable(self) -> list[Req]:
         """Running requests that need another token (finishers in flight sit out)."""

@@ -204,6 +204,7 @@ class Scheduler:
             rows=np.asarray([r.row for r in batch.reqs], dtype=np.int64),
             prefix_lens=np.asarray(batch.starts, dtype=np.int64),
             seq_lens=np.asarray(batch.ends, dtype=np.int64),
+            prompt_lens=np.fromiter((len(r.input_ids) for r in batch.reqs), np.int64, len(batch.reqs)),
             input_ids=input_ids,
             out_cache_loc=batch.out_cache_loc,
             sampling_params=[r.sampling_params for r in batch.reqs],

@@ -11,8 +11,8 @@ import time
 from collections import deque
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE  # noqa: F401 (re-export)
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 THROUGHPUT_WINDOW_S = 10.0
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,

@@ -1,11 +1,12 @@
-"""TokenizerManager: validates and tokenizes requests, sends them, and tracks their outputs.
+"""TokenizerManager: sends validated requests to the scheduler and tracks their outputs.
 
 It lives in the main process, on the asyncio loop of the HTTP server (or of the offline
-Engine's thread). Every request is checked here, once, before anything is sent: a bad one
-raises `RequestError` (HTTP 400 with a message naming the field), an overloaded server
-raises it with 503. Each sent request has a `ReqState` that the receive loop fills from the
-detokenizer's BatchTextOutput; callers wait on the state's group event. A caller that goes
-away (client disconnect, cancelled task) aborts its unfinished requests.
+Engine's thread). Every request is checked once, by `self.inputs` (server/inputs.py), before
+anything is sent: a bad one raises `RequestError` (HTTP 400 with a message naming the
+field); an overloaded or dying server raises it with 503. Each sent request has a
+`ReqState` that the receive loop fills from the detokenizer's BatchTextOutput; callers wait
+on the event shared by the requests they submitted together. A caller that goes away
+(client disconnect, cancelled task) aborts its unfinished requests.
 """
 
 from __future__ import annotations
@@ -14,10 +15,9 @@ import asyncio
 import contextlib
 import logging
 import time
-import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
@@ -33,42 +33,22 @@ from sglite.messages import (
     GetStatsReq,
     StatsResp,
 )
-from sglite.sampling_params import SamplingParams
+from sglite.server.inputs import InputProcessor, Prompt, RequestError
 from sglite.server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
 
 MAX_INFLIGHT_REQUESTS = 1024  # beyond this a new request gets 503 instead of queueing forever
-MAX_N = 128
 CONTROL_TIMEOUT_S = 10.0
 SEND_RETRY_S = 2.0  # the scheduler's connection may still be settling right after start-up
-
-
-class RequestError(ValueError):
-    """A request the server refuses; `status_code` is the HTTP status to answer with."""
-
-    def __init__(self, message: str, status_code: int = 400, param: str | None = None):
-        super().__init__(message)
-        self.message = message
-        self.status_code = status_code
-        self.param = param
-
-
-@dataclass
-class Prompt:
-    """One validated sequence to generate, ready to send."""
-
-    rid: str
-    input_ids: list[int]
-    sampling_params: SamplingParams
-    input_text: str | None = None
 
 
 @dataclass
 class ReqState:
     rid: str
     prompt_len: int
-    notify: asyncio.Event
+    stream: bool
+    notify: asyncio.Event  # shared by the requests submitted together
     created: float = field(default_factory=time.perf_counter)
     text: str = ""
     output_ids: list[int] = field(default_factory=list)
@@ -112,14 +92,20 @@ class TokenizerManager:
         self.max_inflight = max_inflight
         self.metrics = ServerMetrics(self.served_model_name)
         self.states: dict[str, ReqState] = {}
+        self.inputs = InputProcessor(
+            tokenizer, context_length=self.context_length, vocab_size=self.vocab_size,
+            max_total_tokens=self.max_total_tokens, page_size=server_args.page_size,
+            is_rid_free=lambda r: r not in self.states)
         self.dead_reason: str | None = None  # set when a child process died
         self._waiters: dict[type, deque[asyncio.Future]] = {
             FlushCacheResp: deque(), StatsResp: deque()}
         self._recv_task: asyncio.Task | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
         """Bind the sockets and start the receive loop (on the running event loop)."""
+        self.loop = asyncio.get_running_loop()
         self._ctx = zmq.Context()
         self._actx = zmq.asyncio.Context.shadow(self._ctx)
         self._sender = Sender(self._ctx, self.ipc.scheduler_input, bind=True)
@@ -134,6 +120,7 @@ class TokenizerManager:
             self._recv_task = None
             self._sender.close()
             self._receiver.close()
+            self._ctx.term()
 
     def fail_all(self, reason: str) -> None:
         """A child process died: finish every waiting request with a 503."""
@@ -177,13 +164,15 @@ class TokenizerManager:
             state.output_ids.extend(new_ids)
             state.completion_tokens = out.completion_tokens[i]
             state.cached_tokens = out.cached_tokens[i]
-            ttft = None if state.first_output is not None or not new_ids else now - state.created
-            since = None if state.last_output is None else now - state.last_output
             if new_ids:
-                if state.first_output is None:
-                    state.first_output = now
+                # Latencies are only meaningful for streamed requests: the others get their
+                # tokens in one piece when they finish.
+                first = state.first_output is None
+                ttft = now - state.created if first and state.stream else None
+                since = now - state.last_output if state.stream and not first else None
                 self.metrics.on_tokens(len(new_ids), since, ttft)
-            state.last_output = now
+                state.first_output = state.first_output or now
+                state.last_output = now
             state.version += 1
             reason = out.finished_reasons[i]
             if reason is not None:
@@ -191,116 +180,6 @@ class TokenizerManager:
                 self.metrics.on_finish(state.prompt_len, now - state.created)
                 del self.states[rid]
             state.notify.set()
-
-    # ------------------------------------------------------------------ validation
-    def tokenize(self, text: Any, param: str) -> list[int]:
-        if not isinstance(text, str):
-            raise RequestError(f"{param} must be a string, got {type(text).__name__}", param=param)
-        if not text:
-            raise RequestError(f"{param} is empty; give a non-empty prompt", param=param)
-        return list(self.tokenizer.encode(text))
-
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> tuple[str, list[int]]:
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise RequestError("messages: this model has no chat template; use /v1/completions",
-                               param="messages")
-        try:
-            text = self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True)
-        except Exception as e:  # jinja errors: unsupported role order, ...
-            raise RequestError(f"messages: the chat template rejected them ({e})",
-                               param="messages") from e
-        return text, list(self.tokenizer.encode(text, add_special_tokens=False))
-
-    def check_ids(self, ids: Any, param: str) -> list[int]:
-        if not isinstance(ids, list) or not ids:
-            raise RequestError(f"{param} must be a non-empty list of token ids", param=param)
-        for j, t in enumerate(ids):
-            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size:
-                raise RequestError(f"{param}[{j}] = {t!r} is not a token id in "
-                                   f"[0, {self.vocab_size})", param=param)
-        return ids
-
-    def sampling_params(self, data: Any, param: str = "sampling_params") -> tuple[SamplingParams, int]:
-        """Build SamplingParams (and the `n` of parallel sampling) from a request dict."""
-        if data is not None and not isinstance(data, dict):
-            raise RequestError(f"{param} must be an object", param=param)
-        data = dict(data or {})
-        n = data.pop("n", 1)
-        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_N:
-            raise RequestError(f"n must be an integer in [1, {MAX_N}], got {n!r}", param="n")
-        if isinstance(data.get("stop"), str):
-            data["stop"] = [data["stop"]]
-        try:
-            sp = SamplingParams.from_dict(data)
-            sp.check_vocab(self.vocab_size)
-        except (ValueError, TypeError) as e:
-            raise RequestError(f"{param}: {e}", param=param) from e
-        return sp, n
-
-    def check_length(self, prompt_len: int, sp: SamplingParams, param: str) -> None:
-        ctx = self.context_length
-        if prompt_len >= ctx:
-            raise RequestError(f"{param}: the prompt has {prompt_len} tokens; the model's "
-                               f"context length is {ctx} tokens (prompt and output together)",
-                               param=param)
-        if prompt_len + sp.max_new_tokens > ctx:
-            raise RequestError(
-                f"max_new_tokens: the prompt ({prompt_len} tokens) plus max_new_tokens "
-                f"({sp.max_new_tokens}) is more than the model's context length ({ctx} "
-                f"tokens); ask for at most {ctx - prompt_len} new tokens", param="max_new_tokens")
-        cap = self.max_total_tokens
-        if cap is not None and prompt_len + 1 > cap:
-            raise RequestError(f"{param}: the prompt has {prompt_len} tokens but the KV cache "
-                               f"holds only {cap}", param=param)
-
-    def make_prompts(self, ids: list[int], sp: SamplingParams, n: int, *, param: str,
-                     text: str | None = None, rid: str | None = None) -> list[Prompt]:
-        """n validated copies of one prompt (distinct seeds when a seed is given)."""
-        self.check_length(len(ids), sp, param)
-        if rid is not None and (rid in self.states or not isinstance(rid, str) or not rid):
-            raise RequestError(f"rid: {rid!r} is not a free request id", param="rid")
-        base = rid or uuid.uuid4().hex
-        out = []
-        for i in range(n):
-            sp_i = sp if i == 0 or sp.seed is None else replace(sp, seed=sp.seed + i)
-            out.append(Prompt(base if n == 1 else f"{base}_{i}", ids, sp_i, text))
-        return out
-
-    def prepare_generate(self, text: Any = None, input_ids: Any = None,
-                         sampling_params: Any = None, rid: Any = None,
-                         ) -> tuple[list[Prompt], bool]:
-        """Validate a native /generate (or Engine.generate) call: (prompts, is_batch)."""
-        if (text is None) == (input_ids is None):
-            raise RequestError("exactly one of text and input_ids must be given", param="text")
-        if text is not None:
-            is_batch = isinstance(text, list)
-            items = text if is_batch else [text]
-            param = "text"
-        else:
-            is_batch = isinstance(input_ids, list) and bool(input_ids) and all(
-                isinstance(x, list) for x in input_ids)
-            items = input_ids if is_batch else [input_ids]
-            param = "input_ids"
-        if not items:
-            raise RequestError(f"{param} is an empty batch", param=param)
-        sps = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(items)
-        rids = rid if isinstance(rid, list) else [rid] * len(items)
-        if len(sps) != len(items) or len(rids) != len(items) or (rid is not None and is_batch
-                                                                 and not isinstance(rid, list)):
-            raise RequestError(f"sampling_params and rid must be lists as long as {param} "
-                               "(or a single value for all)", param="sampling_params")
-        prompts: list[Prompt] = []
-        for i, (item, sp_dict, r) in enumerate(zip(items, sps, rids)):
-            where = f"{param}[{i}]" if is_batch else param
-            ids = self.tokenize(item, where) if text is not None else self.check_ids(item, where)
-            sp, n = self.sampling_params(sp_dict)
-            is_batch = is_batch or n > 1
-            prompts += self.make_prompts(ids, sp, n, param=where, rid=r,
-                                         text=item if text is not None else None)
-        if len({p.rid for p in prompts}) != len(prompts):
-            raise RequestError("rid: request ids must be unique", param="rid")
-        return prompts, is_batch
 
     # ------------------------------------------------------------------ generation
     def _send(self, msg: Any) -> None:
@@ -323,13 +202,17 @@ class TokenizerManager:
             raise RequestError(f"the server is overloaded ({len(self.states)} requests in "
                                f"flight, limit {self.max_inflight}); retry later", 503)
         notify = asyncio.Event()
-        states = []
-        for p in prompts:
-            state = ReqState(p.rid, len(p.input_ids), notify)
-            self.states[p.rid] = state
-            states.append(state)
-            await self._send_retrying(GenerateReq(p.rid, p.input_ids, p.sampling_params,
-                                                  stream=stream, input_text=p.input_text))
+        states = [ReqState(p.rid, len(p.input_ids), stream, notify) for p in prompts]
+        for state in states:
+            self.states[state.rid] = state
+        try:
+            for p in prompts:
+                await self._send_retrying(GenerateReq(p.rid, p.input_ids, p.sampling_params,
+                                                      stream=stream, input_text=p.input_text))
+        except BaseException:
+            for state in states:
+                self._abort_one(state.rid)
+            raise
         return states
 
     async def run(self, prompts: Sequence[Prompt], *, stream: bool,
@@ -360,7 +243,19 @@ class TokenizerManager:
         finally:
             for s in states:
                 if not s.finished:  # the caller went away
-                    self.abort(s.rid)
+                    self._abort_one(s.rid)
+
+    async def collect(self, prompts: Sequence[Prompt],
+                      is_disconnected: Callable[[], Awaitable[bool]] | None = None,
+                      ) -> list[dict[str, Any]]:
+        """Run to completion: the final output of each prompt, in order. A request the
+        scheduler refused (an abort with an HTTP status) raises RequestError."""
+        outputs: list[dict[str, Any]] = [{} for _ in prompts]
+        async for i, out in self.run(prompts, stream=False, is_disconnected=is_disconnected):
+            outputs[i] = out
+        for out in outputs:
+            raise_if_failed(out)
+        return outputs
 
     async def _wait(self, event: asyncio.Event,
                     is_disconnected: Callable[[], Awaitable[bool]] | None) -> None:
@@ -372,8 +267,8 @@ class TokenizerManager:
                 await asyncio.wait_for(event.wait(), timeout=1.0)
                 return
             except TimeoutError:
-                if await is_disconnected():
-                    raise asyncio.CancelledError("client disconnected") from None
+                if await is_disconnected():  # `finally` in follow() aborts the requests
+                    raise RequestError("the client disconnected", 499) from None
 
     def abort(self, rid: str = "", abort_all: bool = False) -> None:
         """Abort by id prefix (or all): finish their waiters now, tell the scheduler."""
@@ -382,6 +277,12 @@ class TokenizerManager:
                 self._finish_here(key, {"type": "abort", "message": "aborted"})
         with contextlib.suppress(zmq.Again):
             self._send(AbortReq(rid=rid, abort_all=abort_all))
+
+    def _abort_one(self, rid: str) -> None:
+        if rid in self.states:
+            self._finish_here(rid, {"type": "abort", "message": "aborted"})
+        with contextlib.suppress(zmq.Again):
+            self._send(AbortReq(rid=rid))
 
     # ------------------------------------------------------------------ control
     async def _control(self, req: Any, reply_type: type) -> Any:
@@ -400,3 +301,10 @@ class TokenizerManager:
 
     async def flush_cache(self) -> FlushCacheResp:
         return await self._control(FlushCacheReq(), FlushCacheResp)
+
+
+def raise_if_failed(output: dict[str, Any]) -> None:
+    """An abort that carries an HTTP status (refused or failed request) -> RequestError."""
+    reason = output["meta_info"]["finish_reason"] or {}
+    if reason.get("type") == "abort" and reason.get("status_code"):
+        raise RequestError(str(reason.get("message", "aborted")), int(reason["status_code"]))

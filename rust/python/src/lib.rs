@@ -1,1 +1,28 @@
-//! placeholder
+//! `sglite._core`: PyO3 bindings of the Rust tree core (radix tree, page allocator, budget).
+//!
+//! Same classes, methods, results and exceptions as the Python twin in `sglite.core`; bad
+//! arguments raise ValueError, unlock of an unlocked node, free-group misuse and broken
+//! invariants raise RuntimeError. Index buffers cross as lists or 1-D integer numpy arrays and
+//! come back as 1-D int64 arrays; long calls release the GIL.
+
+mod allocator;
+mod budget;
+mod convert;
+mod tree;
+
+use pyo3::prelude::*;
+use pyo3::types::PyTuple;
+use tree_core::{EvictionPolicy, CLIP_MAX_NEW_TOKENS, MAX_PAGE_SIZE};
+
+#[pymodule]
+fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add("CLIP_MAX_NEW_TOKENS", CLIP_MAX_NEW_TOKENS)?;
+    m.add("MAX_PAGE_SIZE", MAX_PAGE_SIZE)?;
+    m.add("SUPPORTED_EVICTION_POLICIES", PyTuple::new(m.py(), EvictionPolicy::NAMES)?)?;
+    m.add_class::<tree::PyRadixTree>()?;
+    m.add_class::<allocator::PyPageAllocator>()?;
+    m.add_class::<budget::PyPrefillBudget>()?;
+    m.add_class::<budget::PyAddReqResult>()?;
+    Ok(())
+}

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The one prepared GPU check, for a lent H200 (Python 3.12 with its own torch and triton, no
+# internet). Build the abi3 wheel on the CPU machine first (`bash ci/build_wheel.sh`, carried
+# as dist/); without it the Python tree core is used. Writes logs and JSON under $OUT.
+#   run: command="bash ci/gpu_check.sh", carry=["dist"]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-/tmp/sglite-gpu-out}"
+mkdir -p "$OUT"
+PY="${PY:-python3}"
+export PYTHONPATH="$PWD/python:$PWD/kernels:$PWD/tests"
+export SGL_TEST_GPU=1 TRITON_INTERPRET=0
+log() { echo "[gpu_check] $*" | tee -a "$OUT/summary.log"; }
+
+nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1 || log "nvidia-smi failed"
+"$PY" -c 'import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name(0))' \
+  > "$OUT/versions.txt" 2>&1
+log "versions: $(cat "$OUT/versions.txt")"
+if ls dist/sglite-*.whl >/dev/null 2>&1; then
+  mkdir -p "$OUT/site"
+  "$PY" -m pip install -q --no-deps --target "$OUT/site" dist/sglite-*.whl \
+    && cp "$OUT"/site/sglite/_core*.so python/sglite/ && log "native core installed from the wheel"
+  rm -rf "$OUT/site"
+fi
+export SGL_TREE_CORE=auto
+"$PY" -c 'import sglite.core as c; c.load(); print(c.describe())' 2>&1 | tee -a "$OUT/summary.log"
+
+log "pytest -m gpu"
+timeout 300 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests > "$OUT/pytest_gpu.log" 2>&1
+log "pytest exit $? : $(tail -n 1 "$OUT/pytest_gpu.log")"
+
+log "decode kernel bandwidth"
+timeout 120 "$PY" benches/bench_decode_kernel.py --out "$OUT/decode_kernel.json" > "$OUT/decode_kernel.log" 2>&1
+log "decode kernel exit $? : $(tail -n 2 "$OUT/decode_kernel.log")"
+
+log "offline throughput (Qwen3-0.6B shape, random weights)"
+timeout 300 "$PY" benches/bench_offline.py --out "$OUT/offline.json" > "$OUT/offline.log" 2>&1
+log "offline exit $? : $(tail -n 3 "$OUT/offline.log")"

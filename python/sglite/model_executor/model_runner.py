@@ -1,0 +1,175 @@
+"""ModelRunner: owns the model, the KV memory and the attention backend; runs forward and sample.
+
+Start-up, in order: pick device and dtype, read the config, load the weights (packed for
+oneDNN on CPU), size the KV pool (`max_total_tokens`, or on CUDA `mem_fraction_static` of
+the GPU memory), create the tree core's `PageAllocator` over those slots, the
+`ReqToTokenPool`, and the attention backend.
+
+Per step the caller (the scheduler, or a test) allocates slots with `runner.allocator`,
+writes the request rows of `runner.req_to_token_pool`, builds a `ForwardBatch`
+(`ForwardBatch.extend(...)` / `.decode(...)` with `runner.req_to_token_pool` and
+`runner.kv_pool`), then calls `logits = runner.forward(batch)` and
+`next_ids = runner.sample(logits, SamplingBatchInfo.build(...))`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+
+import torch
+
+from sglite.attention import create_attention_backend, default_backend
+from sglite.mem_cache.memory_pool import KVPool, ReqToTokenPool, kv_slots_for_budget
+from sglite.model_executor.forward_batch import ForwardBatch
+from sglite.model_executor.sampler import Sampler, SamplingBatchInfo
+from sglite.models.loader import load_model, resolve_model_path
+from sglite.models.model_config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+}
+DEFAULT_MEM_FRACTION_STATIC = 0.88
+# CPU without --max-total-tokens: at most this many bytes of KV, and a quarter of the RAM.
+CPU_KV_BUDGET_BYTES = 2 << 30
+MAX_DEFAULT_SLOTS = 1 << 20
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device cuda was requested but torch sees no CUDA device")
+    if device.type not in ("cuda", "cpu"):
+        raise ValueError(f"device must be cuda or cpu, got {device}")
+    return device
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype is None or dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose auto, float32, bfloat16 or float16")
+    return DTYPES[dtype]
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model_path: str | os.PathLike | None,
+        *,
+        dtype: str | torch.dtype | None = None,
+        device: str | torch.device | None = None,
+        page_size: int = 1,
+        max_total_tokens: int | None = None,
+        mem_fraction_static: float | None = None,
+        max_running_requests: int | None = None,
+        context_length: int | None = None,
+        attention_backend: str | None = None,
+        tree_core: str | None = None,
+    ) -> None:
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        self.device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
+        self.page_size = page_size
+        self.model_path = resolve_model_path(model_path)
+        self.tokenizer_path = self.model_path
+        self.model_config = self._resolve_config(context_length)
+        self.model = load_model(
+            self.model_path, self.model_config, dtype=self.dtype, device=self.device
+        )
+        if self.device.type == "cpu":
+            self.model.prepack()
+        self._init_memory(max_total_tokens, mem_fraction_static, max_running_requests, tree_core)
+        self.attention_backend_name = attention_backend or default_backend(self.device.type)
+        self.attn_backend = create_attention_backend(self.attention_backend_name, self)
+        self.sampler = Sampler()
+
+    # ---------------------------------------------------------------- start-up
+    def _resolve_config(self, context_length: int | None) -> ModelConfig:
+        config = ModelConfig.from_pretrained(self.model_path)
+        ctx = context_length or config.context_length
+        if context_length is not None and context_length < 1:
+            raise ValueError(f"context_length must be >= 1, got {context_length}")
+        if config.sliding_window is not None and config.sliding_window < ctx:
+            logger.warning(
+                "%s uses sliding-window attention (%d tokens), which sglite does not "
+                "implement; capping the context length at %d",
+                config.architecture, config.sliding_window, config.sliding_window,
+            )
+            ctx = config.sliding_window
+        elif context_length is not None and context_length > config.context_length:
+            logger.warning(
+                "context_length %d exceeds the model's %d; quality beyond it is not guaranteed",
+                context_length, config.context_length,
+            )
+        return dataclasses.replace(config, context_length=ctx)
+
+    def _init_memory(
+        self,
+        max_total_tokens: int | None,
+        mem_fraction_static: float | None,
+        max_running_requests: int | None,
+        tree_core: str | None,
+    ) -> None:
+        import sglite.core
+
+        cfg, ps = self.model_config, self.page_size
+        per_slot = KVPool.bytes_per_slot(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype)
+        if max_total_tokens is not None:
+            num_slots = max_total_tokens // ps * ps
+        elif self.device.type == "cuda":
+            frac = mem_fraction_static or DEFAULT_MEM_FRACTION_STATIC
+            if not 0 < frac < 1:
+                raise ValueError(f"mem_fraction_static must be in (0, 1), got {frac}")
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = int(free - total * (1 - frac))
+            num_slots = kv_slots_for_budget(budget, per_slot, ps)
+        else:
+            ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+            budget = min(CPU_KV_BUDGET_BYTES, ram // 4)
+            num_slots = min(kv_slots_for_budget(budget, per_slot, ps), MAX_DEFAULT_SLOTS)
+        if num_slots < ps:
+            raise ValueError(
+                f"the KV pool would hold {num_slots} tokens; raise --max-total-tokens"
+                + (" or --mem-fraction-static" if self.device.type == "cuda" else "")
+            )
+        self.max_total_num_tokens = num_slots
+        if max_running_requests is not None and max_running_requests < 1:
+            raise ValueError(f"max_running_requests must be >= 1, got {max_running_requests}")
+        self.max_running_requests = max_running_requests or min(4096, max(16, num_slots // 32))
+        self.kv_pool = KVPool(
+            num_slots, ps, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device
+        )
+        self.req_to_token_pool = ReqToTokenPool(
+            self.max_running_requests, cfg.context_length, self.device
+        )
+        core = sglite.core.load(tree_core, page_size=ps)
+        self.allocator = core.PageAllocator(num_slots, ps)
+        logger.info(
+            "KV pool: %d slots (%.2f GiB, page size %d), %d request rows",
+            num_slots, self.kv_pool.memory_bytes() / (1 << 30), ps, self.max_running_requests,
+        )
+
+    # ---------------------------------------------------------------- per step
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """float32 logits of the last token of each request `[B, vocab]`
+        (`[T, vocab]` for every token when `batch.return_all_logits`)."""
+        batch.attn_backend = self.attn_backend
+        with torch.inference_mode():
+            self.attn_backend.init_forward_metadata(batch)
+            return self.model(batch.input_ids, batch.positions, batch)
+
+    def sample(self, logits: torch.Tensor, sampling_info: SamplingBatchInfo) -> torch.Tensor:
+        """Next token per request, `[B]` int64 on the runner's device."""
+        with torch.inference_mode():
+            return self.sampler(logits, sampling_info)

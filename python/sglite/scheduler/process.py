@@ -1,0 +1,122 @@
+"""The scheduler process: builds the model and the Scheduler, wires them to ZMQ, runs the loop.
+
+It connects PULL to `ipc.scheduler_input`, PUSH to `ipc.detokenizer` (token-id outputs) and
+PUSH to `ipc.tokenizer` (control replies). It reports readiness (or the start-up error) once
+over `ready_conn`, and exits when its parent process is gone.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import traceback
+from typing import Any
+
+from sglite.config import ServerArgs
+from sglite.messages import ReadyMsg
+
+logger = logging.getLogger(__name__)
+
+PARENT_CHECK_MS = 1000
+
+
+def build_scheduler(args: ServerArgs, send, send_control) -> tuple[Any, dict[str, Any]]:
+    """Load the model and build a Scheduler over it; returns (scheduler, ready info)."""
+    import sglite.core
+    from sglite.model_executor.model_runner import ModelRunner
+    from sglite.server.tokenizer import load_tokenizer
+    from sglite.scheduler.model_worker import ModelWorker
+    from sglite.scheduler.scheduler import Scheduler
+
+    runner = ModelRunner(
+        args.model_path,
+        dtype=args.dtype,
+        device=args.device,
+        page_size=args.page_size,
+        max_total_tokens=args.max_total_tokens,
+        mem_fraction_static=args.mem_fraction_static,
+        max_running_requests=args.max_running_requests,
+        context_length=args.context_length,
+        attention_backend=args.attention_backend,
+        tree_core=args.tree_core,
+    )
+    core = sglite.core.load(
+        args.tree_core, page_size=args.page_size, eviction_policy=args.radix_eviction_policy
+    )
+    tokenizer = load_tokenizer(args.tokenizer_path or runner.tokenizer_path)
+    cfg = runner.model_config
+    sched = Scheduler(
+        args,
+        ModelWorker(runner, args.random_seed),
+        core=core,
+        allocator=runner.allocator,
+        req_to_token_pool=runner.req_to_token_pool,
+        context_length=cfg.context_length,
+        eos_token_ids=set(cfg.eos_token_ids),
+        decode_tail=lambda ids: tokenizer.decode(ids, skip_special_tokens=False),
+        send=send,
+        send_control=send_control,
+    )
+    info = {
+        "model_path": args.model_path,
+        "tokenizer_path": args.tokenizer_path or runner.tokenizer_path,
+        "context_length": cfg.context_length,
+        "max_total_tokens": runner.allocator.capacity(),
+        "max_running_requests": sched.max_running,
+        "vocab_size": cfg.vocab_size,
+        "eos_token_ids": sorted(cfg.eos_token_ids),
+        "tree_core": sglite.core.describe(),
+        "device": str(runner.device),
+        "dtype": str(runner.dtype).replace("torch.", ""),
+    }
+    return sched, info
+
+
+def run_scheduler_process(args: ServerArgs, ipc, ready_conn) -> None:
+    import zmq
+
+    from sglite.ipc import Receiver, Sender
+
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s [scheduler] %(levelname)s %(message)s"
+    )
+    parent = os.getppid()
+    ctx = zmq.Context()
+    to_detok = Sender(ctx, ipc.detokenizer)
+    to_tok = Sender(ctx, ipc.tokenizer)
+    inbox = Receiver(ctx, ipc.scheduler_input)
+    try:
+        sched, info = build_scheduler(args, to_detok.send, to_tok.send)
+    except Exception as e:  # reported to the launcher, which prints it and exits
+        ready_conn.send(ReadyMsg("scheduler", False, f"{e}\n{traceback.format_exc()}"))
+        return
+    ready_conn.send(ReadyMsg("scheduler", True, info=info))
+    logger.info(
+        "scheduler ready: %d KV tokens, tree core %s, %s loop",
+        info["max_total_tokens"], info["tree_core"]["backend"],
+        "normal" if args.disable_overlap_schedule else "overlap",
+    )  # fmt: skip
+
+    def recv(block: bool) -> list:
+        if not block:
+            return inbox.recv_nowait()
+        while True:
+            first = inbox.recv(timeout_ms=PARENT_CHECK_MS)
+            if first is not None:
+                return [first, *inbox.recv_nowait()]
+            if os.getppid() != parent:
+                logger.info("parent process is gone; scheduler exits")
+                raise SystemExit(0)
+
+    try:
+        if args.disable_overlap_schedule:
+            sched.event_loop_normal(recv)
+        else:
+            sched.event_loop_overlap(recv)
+    except SystemExit:
+        pass
+    except Exception:
+        logger.exception("scheduler crashed")
+        raise
+    finally:
+        sched.client.shutdown()

@@ -1,0 +1,222 @@
+"""The FastAPI app: native routes (/generate, health, info, cache, metrics) and OpenAI routes.
+
+All errors leave as JSON `{"error": {"message", "type", "param", "code"}}`: bad input is a
+400 naming the field (FastAPI's 422 included), an overloaded or dying server a 503. POST
+bodies are parsed as JSON whatever their Content-Type (curl -d sends form encoding).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+
+from sglite.server import openai_api
+from sglite.server.inputs import Prompt, RequestError
+from sglite.server.metrics import CONTENT_TYPE
+from sglite.server.protocol import (
+    AbortRequest,
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerateRequest,
+    error_body,
+)
+from sglite.server.tokenizer_manager import TokenizerManager
+from sglite.version import __version__
+
+logger = logging.getLogger(__name__)
+
+HEALTH_TIMEOUT_S = 20.0
+M = TypeVar("M", bound=BaseModel)
+_UNION_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
+
+
+def _field_path(loc: tuple[Any, ...]) -> str:
+    parts = [str(x) if not isinstance(x, int) else f"[{x}]" for x in loc
+             if not (isinstance(x, str) and (x in _UNION_TAGS or "[" in x or "-" in x))]
+    return ".".join(parts).replace(".[", "[")
+
+
+def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
+    """Pydantic's validation errors as one sentence naming the (first) bad field."""
+    if not errors:
+        return "invalid request body", None
+    first = errors[0]
+    path = _field_path(tuple(first.get("loc") or ()))
+    if not path:
+        return f"the request body must be a JSON object ({first.get('msg')})", None
+    return f"{path}: {first.get('msg')}", path.split(".")[0].split("[")[0]
+
+
+async def parse_body(request: Request, model: type[M]) -> M:
+    """The JSON body as `model` (whatever the Content-Type); 400 naming the field if not."""
+    raw = await request.body()
+    if not raw.strip():
+        raise RequestError("the request body is empty; send a JSON object")
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise RequestError(f"malformed JSON in the request body: {e}") from None
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        message, param = validation_message(e.errors())
+        raise RequestError(message, param=param) from None
+
+
+def _sse(data: Any) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+def create_app(tm: TokenizerManager) -> FastAPI:
+    """The app; the TokenizerManager's sockets open and close with the app's lifespan."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await tm.start()
+        yield
+        await tm.close()
+
+    app = FastAPI(title="sglite", version=__version__, lifespan=lifespan)
+
+    @app.exception_handler(RequestValidationError)
+    async def _on_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = [{**e, "loc": tuple(e.get("loc") or ())[1:]} for e in exc.errors()]
+        message, param = validation_message(errors)
+        return JSONResponse(error_body(message, 400, param), status_code=400)
+
+    @app.exception_handler(RequestError)
+    async def _on_request_error(request: Request, exc: RequestError) -> JSONResponse:
+        return JSONResponse(error_body(exc.message, exc.status_code, exc.param),
+                            status_code=exc.status_code)
+
+    # ------------------------------------------------------------------ native
+    @app.post("/generate")
+    async def generate(request: Request) -> Any:
+        req = await parse_body(request, GenerateRequest)
+        if req.return_logprob:
+            raise RequestError("return_logprob: not supported by this server",
+                               param="return_logprob")
+        prompts, is_batch = tm.inputs.prepare_generate(req.text, req.input_ids, req.sampling_params,
+                                                req.rid)
+        if req.stream:
+            states = await tm.submit(prompts, stream=True)
+            return StreamingResponse(_generate_events(states, is_batch),
+                                     media_type="text/event-stream")
+        outputs = await tm.collect(prompts, request.is_disconnected)
+        return outputs if is_batch else outputs[0]
+
+    async def _generate_events(states: list[Any], is_batch: bool) -> AsyncIterator[str]:
+        async for i, out in tm.follow(states, stream=True):
+            reason = out["meta_info"]["finish_reason"] or {}
+            if reason.get("type") == "abort" and reason.get("status_code"):
+                yield _sse(error_body(str(reason.get("message")), int(reason["status_code"])))
+                continue
+            if is_batch:
+                out["index"] = i
+            yield _sse(out)
+        yield "data: [DONE]\n\n"
+
+    @app.get("/health")
+    async def health() -> Response:
+        if tm.dead_reason is not None:
+            raise RequestError(tm.dead_reason, 503)
+        return Response(status_code=200)
+
+    @app.get("/health_generate")
+    async def health_generate() -> Response:
+        sp, _ = tm.inputs.sampling_params({"max_new_tokens": 1, "temperature": 0.0})
+        prompt = Prompt(f"HEALTH_CHECK_{uuid.uuid4().hex}", [0], sp)
+        try:
+            async with asyncio.timeout(HEALTH_TIMEOUT_S):
+                outputs = await tm.collect([prompt])
+        except TimeoutError:
+            raise RequestError("the scheduler produced no output within "
+                               f"{HEALTH_TIMEOUT_S:.0f} s", 503) from None
+        if outputs[0]["meta_info"]["finish_reason"]["type"] == "abort":
+            raise RequestError("the health-check request was aborted", 503)
+        return Response(status_code=200)
+
+    @app.get("/get_model_info")
+    async def get_model_info() -> dict[str, Any]:
+        info = tm.model_info
+        return {"model_path": tm.server_args.model_path,
+                "tokenizer_path": info.get("tokenizer_path"),
+                "served_model_name": tm.served_model_name, "is_generation": True,
+                "context_length": tm.context_length, "vocab_size": tm.vocab_size,
+                "max_total_tokens": info.get("max_total_tokens")}
+
+    @app.get("/get_server_info")
+    async def get_server_info() -> dict[str, Any]:
+        stats = await tm.get_stats()
+        return {"version": __version__, "server_args": tm.server_args.to_dict(),
+                "model_info": tm.model_info,
+                "tree_core": stats.get("tree_core") or tm.model_info.get("tree_core"),
+                "scheduler_stats": stats}
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache() -> Response:
+        resp = await tm.flush_cache()
+        if not resp.success:
+            raise RequestError(resp.message or "the cache cannot be flushed while requests "
+                               "are running; retry when idle", 400)
+        return PlainTextResponse("Cache flushed.\n")
+
+    @app.post("/abort_request")
+    async def abort_request(request: Request) -> Response:
+        req = await parse_body(request, AbortRequest)
+        if not req.rid and not req.abort_all:
+            raise RequestError("rid: give a request id (or abort_all=true)", param="rid")
+        tm.abort(req.rid, req.abort_all)
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        try:
+            await tm.get_stats()
+        except RequestError:
+            logger.warning("/metrics: no scheduler stats (the scheduler did not answer)")
+        return Response(tm.metrics.render(), media_type=CONTENT_TYPE)
+
+    # ------------------------------------------------------------------ OpenAI
+    @app.get("/v1/models")
+    async def list_models() -> dict[str, Any]:
+        return {"object": "list", "data": [{
+            "id": tm.served_model_name, "object": "model", "created": int(time.time()),
+            "owned_by": "sglite", "root": tm.server_args.model_path,
+            "max_model_len": tm.context_length}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Any:
+        req = await parse_body(request, CompletionRequest)
+        if req.stream:
+            prompts, lens = openai_api.completion_prompts(tm, req)
+            return await _openai_stream(prompts, lens, req, chat=False)
+        return await openai_api.completions(tm, req, request.is_disconnected)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Any:
+        req = await parse_body(request, ChatCompletionRequest)
+        if req.stream:
+            prompts, lens = openai_api.chat_prompts(tm, req)
+            return await _openai_stream(prompts, lens, req, chat=True)
+        return await openai_api.chat(tm, req, request.is_disconnected)
+
+    async def _openai_stream(prompts: list[Prompt], lens: list[int], req: Any, *,
+                             chat: bool) -> StreamingResponse:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        events = await openai_api.stream_openai(tm, prompts, lens, chat=chat,
+                                                include_usage=include_usage)
+        return StreamingResponse(events, media_type="text/event-stream")
+
+    return app

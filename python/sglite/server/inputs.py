@@ -1,0 +1,181 @@
+"""Request validation: turns request fields into tokenized, checked `Prompt`s.
+
+Every check the server makes on input lives here and runs once, in the main process,
+before anything reaches the scheduler. A failure raises `RequestError` with the HTTP status
+(400 for bad input) and a message that names the field and says what is allowed.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+from sglite.sampling_params import SamplingParams
+
+MAX_N = 128  # parallel samples per prompt
+
+
+class RequestError(ValueError):
+    """A request the server refuses; `status_code` is the HTTP status to answer with."""
+
+    def __init__(self, message: str, status_code: int = 400, param: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.status_code = status_code
+        self.param = param
+
+
+@dataclass
+class Prompt:
+    """One validated sequence to generate, ready to send."""
+
+    rid: str
+    input_ids: list[int]
+    sampling_params: SamplingParams
+    input_text: str | None = None
+
+
+class InputProcessor:
+    """Tokenizes and validates prompts and sampling parameters for one model."""
+
+    def __init__(self, tokenizer: Any, *, context_length: int, vocab_size: int,
+                 max_total_tokens: int | None = None, page_size: int = 1,
+                 is_rid_free: Callable[[str], bool] = lambda rid: True):
+        self.tokenizer = tokenizer
+        self.context_length = context_length
+        self.vocab_size = vocab_size
+        self.max_total_tokens = max_total_tokens
+        self.page_size = page_size
+        self.is_rid_free = is_rid_free
+
+    def max_new_tokens_limit(self, prompt_len: int) -> int:
+        """The most new tokens a prompt may ask for: it must fit in the context and (with a
+        page of slack, as the scheduler reserves it) in the whole KV cache."""
+        limit = self.context_length - prompt_len
+        if self.max_total_tokens is not None:
+            limit = min(limit, self.max_total_tokens - self.page_size - prompt_len)
+        return limit
+
+    def tokenize(self, text: Any, param: str) -> list[int]:
+        if not isinstance(text, str):
+            raise RequestError(f"{param} must be a string, got {type(text).__name__}", param=param)
+        if not text:
+            raise RequestError(f"{param} is empty; give a non-empty prompt", param=param)
+        return list(self.tokenizer.encode(text))
+
+    def apply_chat_template(self, messages: list[dict[str, Any]]) -> tuple[str, list[int]]:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise RequestError("messages: this model has no chat template; use /v1/completions",
+                               param="messages")
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=True)
+        except Exception as e:  # jinja errors: unsupported role order, ...
+            raise RequestError(f"messages: the chat template rejected them ({e})",
+                               param="messages") from e
+        return text, list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def check_ids(self, ids: Any, param: str) -> list[int]:
+        if not isinstance(ids, list) or not ids:
+            raise RequestError(f"{param} must be a non-empty list of token ids", param=param)
+        for j, t in enumerate(ids):
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size:
+                raise RequestError(f"{param}[{j}] = {t!r} is not a token id in "
+                                   f"[0, {self.vocab_size})", param=param)
+        return ids
+
+    def sampling_params(self, data: Any, param: str | None = "sampling_params",
+                        ) -> tuple[SamplingParams, int]:
+        """Build SamplingParams (and the `n` of parallel sampling) from a request dict;
+        `param` prefixes error messages (None: the keys are top-level request fields)."""
+        if data is not None and not isinstance(data, dict):
+            raise RequestError(f"{param} must be an object", param=param)
+        data = dict(data or {})
+        n = data.pop("n", 1)
+        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_N:
+            raise RequestError(f"n must be an integer in [1, {MAX_N}], got {n!r}", param="n")
+        if isinstance(data.get("stop"), str):
+            data["stop"] = [data["stop"]]
+        try:
+            sp = SamplingParams.from_dict(data)
+            sp.check_vocab(self.vocab_size)
+        except (ValueError, TypeError) as e:
+            raise RequestError(f"{param}: {e}" if param else str(e), param=param) from e
+        return sp, n
+
+    def check_length(self, prompt_len: int, sp: SamplingParams, param: str,
+                     max_param: str = "max_new_tokens") -> None:
+        ctx, cap = self.context_length, self.max_total_tokens
+        if prompt_len >= ctx:
+            raise RequestError(f"{param}: the prompt has {prompt_len} tokens; the model's "
+                               f"context length is {ctx} tokens (prompt and output together)",
+                               param=param)
+        limit = self.max_new_tokens_limit(prompt_len)
+        if limit < 1:
+            raise RequestError(f"{param}: the prompt has {prompt_len} tokens but the KV cache "
+                               f"holds only {cap}", param=param)
+        if sp.max_new_tokens > limit:
+            where = (f"the model's context length ({ctx} tokens)" if prompt_len + sp.max_new_tokens
+                     > ctx else f"the KV cache ({cap} tokens)")
+            raise RequestError(
+                f"{max_param}: the prompt ({prompt_len} tokens) plus {max_param} "
+                f"({sp.max_new_tokens}) does not fit in {where}; ask for at most {limit} new "
+                "tokens", param=max_param)
+
+    def make_prompts(self, ids: list[int], sp: SamplingParams, n: int, *, param: str,
+                     text: str | None = None, rid: str | None = None,
+                     max_param: str = "max_new_tokens") -> list[Prompt]:
+        """n validated copies of one prompt (distinct seeds when a seed is given)."""
+        self.check_length(len(ids), sp, param, max_param)
+        if rid is not None and (not self.is_rid_free(rid) or not isinstance(rid, str) or not rid):
+            raise RequestError(f"rid: {rid!r} is not a free request id", param="rid")
+        base = rid or uuid.uuid4().hex
+        out = []
+        for i in range(n):
+            sp_i = sp if i == 0 or sp.seed is None else replace(sp, seed=sp.seed + i)
+            out.append(Prompt(base if n == 1 else f"{base}_{i}", ids, sp_i, text))
+        return out
+
+    def prepare_generate(self, text: Any = None, input_ids: Any = None,
+                         sampling_params: Any = None, rid: Any = None,
+                         ) -> tuple[list[Prompt], bool]:
+        """Validate a native /generate (or Engine.generate) call: (prompts, is_batch)."""
+        if (text is None) == (input_ids is None):
+            raise RequestError("exactly one of text and input_ids must be given", param="text")
+        if text is not None:
+            is_batch = isinstance(text, list)
+            items = text if is_batch else [text]
+            param = "text"
+        else:
+            is_batch = isinstance(input_ids, list) and bool(input_ids) and all(
+                isinstance(x, list) for x in input_ids)
+            items = input_ids if is_batch else [input_ids]
+            param = "input_ids"
+        if not items:
+            raise RequestError(f"{param} is an empty batch", param=param)
+        sps = _per_item(sampling_params, len(items), "sampling_params")
+        if isinstance(rid, str) and is_batch:
+            rid = [f"{rid}_{i}" for i in range(len(items))]
+        rids = _per_item(rid, len(items), "rid")
+        prompts: list[Prompt] = []
+        for i, (item, sp_dict, r) in enumerate(zip(items, sps, rids)):
+            where = f"{param}[{i}]" if is_batch else param
+            ids = self.tokenize(item, where) if text is not None else self.check_ids(item, where)
+            sp, n = self.sampling_params(sp_dict)
+            prompts += self.make_prompts(ids, sp, n, param=where, rid=r,
+                                         text=item if text is not None else None)
+        if len({p.rid for p in prompts}) != len(prompts):
+            raise RequestError("rid: request ids must be unique", param="rid")
+        return prompts, is_batch or len(prompts) > 1
+
+
+def _per_item(value: Any, count: int, name: str) -> list[Any]:
+    """One value per prompt: a list must have one entry per prompt; a single value is shared."""
+    if not isinstance(value, list):
+        return [value] * count
+    if len(value) != count:
+        raise RequestError(f"{name} must have one entry per prompt ({count}), got {len(value)}",
+                           param=name)
+    return value

@@ -1,0 +1,188 @@
+//! `sglite._core.RadixTree`: the Python face of `tree_core::RadixTree`.
+
+use numpy::PyArray1;
+use pyo3::prelude::*;
+use tree_core::{EvictionPolicy, RadixTree};
+
+use crate::convert::{as_int, as_size, core_err, index_vec, value_error, Arg};
+
+/// Calls on at least this many tokens release the GIL while they run.
+const GIL_FREE_TOKENS: usize = 4096;
+
+/// Prefix cache index (token ids -> KV slots). Same contract as sglite.core.radix_tree.
+#[pyclass(name = "RadixTree", module = "sglite._core")]
+pub struct PyRadixTree {
+    tree: RadixTree,
+}
+
+fn policy_of(arg: &Arg<'_>) -> PyResult<EvictionPolicy> {
+    let name = match arg {
+        Arg::Default => return Ok(EvictionPolicy::Lru),
+        Arg::Given(ob) => ob.extract::<String>().ok(),
+    };
+    name.as_deref().and_then(EvictionPolicy::parse).ok_or_else(|| {
+        let shown = match arg {
+            Arg::Given(ob) => ob.repr().map(|r| r.to_string()).unwrap_or_default(),
+            Arg::Default => String::new(),
+        };
+        value_error(format!(
+            "unknown eviction policy {shown}; choose one of: {}",
+            EvictionPolicy::NAMES.join(", ")
+        ))
+    })
+}
+
+fn slots_array(py: Python<'_>, slots: Vec<i64>) -> Bound<'_, PyArray1<i64>> {
+    PyArray1::from_vec(py, slots)
+}
+
+#[pymethods]
+impl PyRadixTree {
+    #[new]
+    #[pyo3(signature = (page_size = Arg::Default, eviction_policy = Arg::Default))]
+    fn new(page_size: Arg<'_>, eviction_policy: Arg<'_>) -> PyResult<Self> {
+        let page_size = page_size.int_or(1, "page_size")?;
+        if page_size < 1 {
+            return Err(value_error(format!("page_size must be >= 1, got {page_size}")));
+        }
+        let policy = policy_of(&eviction_policy)?;
+        let tree = RadixTree::new(page_size, policy).map_err(core_err)?;
+        Ok(Self { tree })
+    }
+
+    #[getter]
+    fn page_size(&self) -> usize {
+        self.tree.page_size()
+    }
+
+    #[getter]
+    fn eviction_policy(&self) -> &'static str {
+        self.tree.eviction_policy().name()
+    }
+
+    /// Drop every node; ids keep counting so pre-reset ids become stale.
+    fn reset(&mut self) {
+        self.tree.reset();
+    }
+
+    /// Longest cached prefix in whole pages: (slots as int64 array, last matched node id).
+    #[pyo3(signature = (tokens, extra_key = None))]
+    fn match_prefix<'py>(
+        &mut self,
+        py: Python<'py>,
+        tokens: &Bound<'py, PyAny>,
+        extra_key: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<(Bound<'py, PyArray1<i64>>, u64)> {
+        let tokens: Vec<u32> = index_vec(tokens, "tokens")?;
+        let ns = crate::convert::extra_key(extra_key)?;
+        let tree = &mut self.tree;
+        let (slots, node_id) = if tokens.len() >= GIL_FREE_TOKENS {
+            py.allow_threads(|| tree.match_prefix(&tokens, ns))
+        } else {
+            tree.match_prefix(&tokens, ns)
+        };
+        Ok((slots_array(py, slots), node_id))
+    }
+
+    /// Insert the page-aligned prefix: (tokens already cached, last node id).
+    #[pyo3(signature = (tokens, slots, extra_key = None, priority = Arg::Default))]
+    fn insert(
+        &mut self,
+        py: Python<'_>,
+        tokens: &Bound<'_, PyAny>,
+        slots: &Bound<'_, PyAny>,
+        extra_key: Option<&Bound<'_, PyAny>>,
+        priority: Arg<'_>,
+    ) -> PyResult<(usize, u64)> {
+        let tokens: Vec<u32> = index_vec(tokens, "tokens")?;
+        let slots: Vec<u32> = index_vec(slots, "slots")?;
+        if tokens.len() != slots.len() {
+            return Err(value_error(format!(
+                "tokens and slots differ in length ({} vs {})",
+                tokens.len(),
+                slots.len()
+            )));
+        }
+        let priority = priority.int_or(0, "priority")?;
+        let ns = crate::convert::extra_key(extra_key)?;
+        let tree = &mut self.tree;
+        let result = if tokens.len() >= GIL_FREE_TOKENS {
+            py.allow_threads(|| tree.insert(&tokens, &slots, ns, priority))
+        } else {
+            tree.insert(&tokens, &slots, ns, priority)
+        };
+        result.map_err(core_err)
+    }
+
+    fn lock(&mut self, node_id: &Bound<'_, PyAny>) -> PyResult<()> {
+        let node_id = as_int(node_id, "node_id")?;
+        self.tree.lock(node_id).map_err(core_err)
+    }
+
+    fn unlock(&mut self, node_id: &Bound<'_, PyAny>) -> PyResult<()> {
+        let node_id = as_int(node_id, "node_id")?;
+        self.tree.unlock(node_id).map_err(core_err)
+    }
+
+    /// Free unlocked leaves in policy order until num_tokens are freed; returns their slots.
+    fn evict<'py>(&mut self, py: Python<'py>, num_tokens: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyArray1<i64>>> {
+        let num_tokens = usize::try_from(as_size(num_tokens, "num_tokens")?).unwrap_or(usize::MAX);
+        let tree = &mut self.tree;
+        let freed = if num_tokens >= GIL_FREE_TOKENS {
+            py.allow_threads(|| tree.evict(num_tokens))
+        } else {
+            tree.evict(num_tokens)
+        };
+        Ok(slots_array(py, freed))
+    }
+
+    fn evictable_size(&self) -> usize {
+        self.tree.evictable_size()
+    }
+
+    fn protected_size(&self) -> usize {
+        self.tree.protected_size()
+    }
+
+    fn total_size(&self) -> usize {
+        self.tree.total_size()
+    }
+
+    /// Number of nodes, not counting the root.
+    fn node_count(&self) -> usize {
+        self.tree.node_count()
+    }
+
+    /// Bytes held by the tree (node structs, token/slot storage, index maps, eviction order).
+    fn memory_bytes(&self) -> usize {
+        self.tree.memory_bytes()
+    }
+
+    /// Positions of node_ids in DFS-weight order (see the Python twin).
+    fn dfs_weight_order(&self, node_ids: &Bound<'_, PyAny>) -> PyResult<Vec<usize>> {
+        let ids = node_ids
+            .try_iter()?
+            .map(|x| as_int(&x?, "node_ids[]"))
+            .collect::<PyResult<Vec<i64>>>()?;
+        self.tree.dfs_weight_order(&ids).map_err(core_err)
+    }
+
+    /// Raise RuntimeError on any broken invariant.
+    fn sanity_check(&self) -> PyResult<()> {
+        self.tree.sanity_check().map_err(core_err)
+    }
+
+    fn pretty_print(&self) -> String {
+        self.tree.pretty_print()
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "RadixTree(page_size={}, eviction_policy='{}', nodes={}, tokens={})",
+            self.tree.page_size(),
+            self.tree.eviction_policy().name(),
+            self.tree.node_count(),
+            self.tree.total_size()
+        )
+    }
+}
