@@ -21,7 +21,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
 from sglite.bench_one_batch import run_one_batch
 from sglite.model_executor.model_runner import ModelRunner
 
@@ -35,8 +34,14 @@ def hf_decode_tokens_per_s(model, batch_size: int, input_len: int, output_len: i
 
     def timed(new_tokens: int) -> float:
         start = time.perf_counter()
-        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
-                       min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+        model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+        )
         return time.perf_counter() - start
 
     with torch.inference_mode():
@@ -59,8 +64,13 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-    runner = ModelRunner(args.model_path, device="cpu", dtype="float32",
-                         max_total_tokens=16384, max_running_requests=max(batch_sizes))
+    runner = ModelRunner(
+        args.model_path,
+        device="cpu",
+        dtype="float32",
+        max_total_tokens=16384,
+        max_running_requests=max(batch_sizes),
+    )
     hf = AutoModelForCausalLM.from_pretrained(runner.model_path, dtype=torch.float32).eval()
     rows = []
     for bs in batch_sizes:
@@ -83,21 +93,34 @@ def main() -> None:
             "all_transformers": theirs,
         }
         rows.append(row)
-    print(f"{'batch':>5} | {'sglite tok/s':>12} | {'transformers tok/s':>18} | {'ratio':>5} | target")
+    print(
+        f"{'batch':>5} | {'sglite tok/s':>12} | {'transformers tok/s':>18} | {'ratio':>5} | target"
+    )
     for r in rows:
         target = f">= {r['target_ratio']}" if r["target_ratio"] else "-"
-        print(f"{r['batch_size']:>5} | {r['sglite_decode_tok_s']:>12.1f} | "
-              f"{r['transformers_decode_tok_s']:>18.1f} | {r['ratio']:>5.2f} | {target}")
+        print(
+            f"{r['batch_size']:>5} | {r['sglite_decode_tok_s']:>12.1f} | "
+            f"{r['transformers_decode_tok_s']:>18.1f} | {r['ratio']:>5.2f} | {target}"
+        )
     summary = ", ".join(f"bs{r['batch_size']} {r['ratio']:.2f}x" for r in rows)
     print(f"bench_model_cpu: decode speed-up over transformers: {summary}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({
-        "model": runner.model_path.name, "dtype": "float32", "threads": args.threads,
-        "input_len": args.input_len, "output_len": args.output_len,
-        "machine": platform.processor() or platform.machine(), "torch": torch.__version__,
-        "rows": rows,
-    }, indent=2))
+    out.write_text(
+        json.dumps(
+            {
+                "model": runner.model_path.name,
+                "dtype": "float32",
+                "threads": args.threads,
+                "input_len": args.input_len,
+                "output_len": args.output_len,
+                "machine": platform.processor() or platform.machine(),
+                "torch": torch.__version__,
+                "rows": rows,
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -13,9 +13,11 @@ from pathlib import Path
 if os.environ.get("SGL_TEST_GPU") != "1":
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# Run from a source checkout too (PYTHONPATH=python), without an installed wheel.
-_SRC = Path(__file__).resolve().parents[1] / "python"
-if str(_SRC) not in sys.path:
-    sys.path.append(str(_SRC))
+# Run from a source checkout too (PYTHONPATH=python), without an installed wheel: the
+# installed packages win, the source folders are only a fallback.
+_ROOT = Path(__file__).resolve().parents[1]
+for _src in (_ROOT / "python", _ROOT / "kernels"):
+    if str(_src) not in sys.path:
+        sys.path.append(str(_src))
 
 pytest_plugins = ["fixtures.plugin"]

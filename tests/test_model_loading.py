@@ -10,7 +10,6 @@ import pytest
 import torch
 from fixtures.model_driver import Driver
 from fixtures.tiny_models import rewrite_config_as_v4
-
 from sglite.mem_cache.memory_pool import KVPool, ReqToTokenPool
 from sglite.model_executor.forward_batch import ForwardBatch, ForwardMode
 from sglite.model_executor.model_runner import ModelRunner
@@ -66,7 +65,11 @@ def test_model_config_fields(tiny_model_dir, tmp_path):
     (dst / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0]}))
     cfg = ModelConfig.from_pretrained(dst)
     assert (cfg.architecture, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads) == (
-        "Qwen3ForCausalLM", 2, 4, 2)
+        "Qwen3ForCausalLM",
+        2,
+        4,
+        2,
+    )
     assert (cfg.head_dim, cfg.hidden_size, cfg.vocab_size, cfg.context_length) == (16, 64, 384, 512)
     assert cfg.eos_token_ids == (2, 0)
 
@@ -80,7 +83,11 @@ def test_unsupported_architecture_names_the_supported_ones(tiny_model_dir, tmp_p
     with pytest.raises(ValueError, match="FalconForCausalLM.*not supported.*LlamaForCausalLM"):
         ModelRunner(dst, device="cpu", max_total_tokens=256)
     assert set(supported_architectures()) >= {
-        "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
+        "LlamaForCausalLM",
+        "MistralForCausalLM",
+        "Qwen2ForCausalLM",
+        "Qwen3ForCausalLM",
+    }
     assert get_model_class("MistralForCausalLM").__name__ == "MistralForCausalLM"
 
 
@@ -124,8 +131,9 @@ def test_bf16_runs_close_to_fp32(tiny_model_dir):
 
 
 def test_memory_sizing_and_exposed_attributes(tiny_runner):
-    runner = tiny_runner("llama", page_size=16, max_total_tokens=1000, max_running_requests=5,
-                         context_length=128)
+    runner = tiny_runner(
+        "llama", page_size=16, max_total_tokens=1000, max_running_requests=5, context_length=128
+    )
     assert runner.max_total_num_tokens == 992  # whole pages
     assert runner.allocator.available_size() == 992
     assert runner.kv_pool.k_buffer[0].shape == (992 + 16, 2, 16)
@@ -156,8 +164,7 @@ def test_req_to_token_pool_rows():
 
 
 def test_kv_pool_set_kv_and_validation():
-    pool = KVPool(8, 4, num_layers=2, num_kv_heads=1, head_dim=2, dtype=torch.float32,
-                  device="cpu")
+    pool = KVPool(8, 4, num_layers=2, num_kv_heads=1, head_dim=2, dtype=torch.float32, device="cpu")
     k = torch.arange(4.0).view(2, 1, 2)
     pool.set_kv(1, torch.tensor([5, 9]), k, -k)
     assert pool.k_buffer[1][9].tolist() == [[2.0, 3.0]]
@@ -170,31 +177,60 @@ def test_kv_pool_set_kv_and_validation():
 def test_forward_batch_builders(tiny_runner):
     runner = tiny_runner("qwen3")
     args = dict(req_to_token_pool=runner.req_to_token_pool, kv_pool=runner.kv_pool)
-    b = ForwardBatch.extend(input_ids=[[1, 2, 3], [4]], prefix_lens=[2, 5],
-                            req_pool_indices=[3, 1], out_cache_loc=[9, 10, 11, 12], **args)
+    b = ForwardBatch.extend(
+        input_ids=[[1, 2, 3], [4]],
+        prefix_lens=[2, 5],
+        req_pool_indices=[3, 1],
+        out_cache_loc=[9, 10, 11, 12],
+        **args,
+    )
     assert b.forward_mode is ForwardMode.EXTEND and b.forward_mode.is_extend()
     assert b.positions.tolist() == [2, 3, 4, 5]
     assert b.seq_lens_cpu == [5, 6] and b.extend_seq_lens_cpu == [3, 1]
     assert b.batch_size == 2 and b.num_tokens == 4
-    d = ForwardBatch.decode(input_ids=torch.tensor([4, 5]), seq_lens=[7, 3],
-                            req_pool_indices=[1, 2], out_cache_loc=np.array([5, 6]), **args)
+    d = ForwardBatch.decode(
+        input_ids=torch.tensor([4, 5]),
+        seq_lens=[7, 3],
+        req_pool_indices=[1, 2],
+        out_cache_loc=np.array([5, 6]),
+        **args,
+    )
     assert d.positions.tolist() == [6, 2] and d.forward_mode.is_decode()
     with pytest.raises(ValueError, match="out_cache_loc has 3 slots for 4"):
-        ForwardBatch.extend(input_ids=[[1, 2, 3], [4]], prefix_lens=[0, 0],
-                            req_pool_indices=[1, 2], out_cache_loc=[1, 2, 3], **args)
+        ForwardBatch.extend(
+            input_ids=[[1, 2, 3], [4]],
+            prefix_lens=[0, 0],
+            req_pool_indices=[1, 2],
+            out_cache_loc=[1, 2, 3],
+            **args,
+        )
     with pytest.raises(ValueError, match="at least one new token"):
-        ForwardBatch.extend(input_ids=[[]], prefix_lens=[0], req_pool_indices=[1],
-                            out_cache_loc=[], **args)
+        ForwardBatch.extend(
+            input_ids=[[]], prefix_lens=[0], req_pool_indices=[1], out_cache_loc=[], **args
+        )
     with pytest.raises(ValueError, match="2 requests but 1 input ids"):
-        ForwardBatch.decode(input_ids=[1], seq_lens=[2, 3], req_pool_indices=[1, 2],
-                            out_cache_loc=[1, 2], **args)
+        ForwardBatch.decode(
+            input_ids=[1], seq_lens=[2, 3], req_pool_indices=[1, 2], out_cache_loc=[1, 2], **args
+        )
 
 
 def test_bench_one_batch_prints_numbers(tiny_model_dir, capsys):
     from sglite.bench_one_batch import main
 
-    result = main(["--model-path", str(tiny_model_dir("qwen2")), "--batch-size", "3",
-                   "--input-len", "20", "--output-len", "5", "--page-size", "16"])
+    result = main(
+        [
+            "--model-path",
+            str(tiny_model_dir("qwen2")),
+            "--batch-size",
+            "3",
+            "--input-len",
+            "20",
+            "--output-len",
+            "5",
+            "--page-size",
+            "16",
+        ]
+    )
     out = capsys.readouterr().out
     assert "prefill: latency" in out and "decode:" in out
     assert result["decode_tokens_per_s"] > 0 and result["prefill_tokens_per_s"] > 0

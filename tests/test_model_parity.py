@@ -146,16 +146,20 @@ def test_mixed_batch_equals_separate_runs(page_size, runners):
 @pytest.mark.parametrize(
     "rope_scaling",
     [
-        {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-         "original_max_position_embeddings": 64},
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
         {"rope_type": "linear", "factor": 2.0},
     ],
     ids=["llama3", "linear"],
 )
 def test_rope_scaling_matches_transformers(rope_scaling, tiny_model_dir):
-    from transformers import AutoModelForCausalLM
-
     from sglite.model_executor.model_runner import ModelRunner
+    from transformers import AutoModelForCausalLM
 
     path = tiny_model_dir("llama", rope_scaling=rope_scaling)
     runner = ModelRunner(path, device="cpu", max_total_tokens=512)

@@ -27,8 +27,9 @@ def tokenizer(smollm2_dir):
 def runner(smollm2_dir):
     from sglite.model_executor.model_runner import ModelRunner
 
-    runner = ModelRunner(smollm2_dir, device="cpu", page_size=16, max_total_tokens=4096,
-                         max_running_requests=8)
+    runner = ModelRunner(
+        smollm2_dir, device="cpu", page_size=16, max_total_tokens=4096, max_running_requests=8
+    )
     fragment_allocator(runner.allocator, seed=3)
     return runner
 
@@ -73,31 +74,39 @@ def test_greedy_batch_matches_transformers_teacher_forced(runner, tokenizer, hf_
 def test_conversion_matches_transformers_gguf_loader(smollm2_dir):
     """Our dequantized, un-permuted tensors equal transformers' own GGUF reader's."""
     from safetensors.torch import load_file
+    from sglite.models import gguf
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    from sglite.models import gguf
-
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(smollm2_dir))
-    ref = load_gguf_checkpoint(str(gguf.smollm2_gguf_path()), return_tensors=True,
-                               model_to_load=skeleton)["tensors"]
+    ref = load_gguf_checkpoint(
+        str(gguf.smollm2_gguf_path()), return_tensors=True, model_to_load=skeleton
+    )["tensors"]
     ours = load_file(smollm2_dir / "model.safetensors")
     assert set(ours) == set(ref)
-    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.29.self_attn.k_proj.weight",
-                 "model.layers.7.mlp.down_proj.weight", "model.embed_tokens.weight"):
+    for name in (
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.29.self_attn.k_proj.weight",
+        "model.layers.7.mlp.down_proj.weight",
+        "model.embed_tokens.weight",
+    ):
         assert torch.equal(ours[name], ref[name].float()), name
 
 
 def test_tokenizer_matches_transformers_gguf_tokenizer(smollm2_dir, tokenizer):
-    from transformers import AutoTokenizer
-
     from sglite.models import gguf
+    from transformers import AutoTokenizer
 
     path = gguf.smollm2_gguf_path()
     ref = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    for text in ["The capital of France is", "naïve café 日本語 🙂", "  leading\ttab",
-                 "<|im_start|>user\nhi<|im_end|>", "it's we've I'LL"]:
+    for text in [
+        "The capital of France is",
+        "naïve café 日本語 🙂",
+        "  leading\ttab",
+        "<|im_start|>user\nhi<|im_end|>",
+        "it's we've I'LL",
+    ]:
         assert tokenizer(text).input_ids == ref(text).input_ids, text
         assert tokenizer.decode(tokenizer(text).input_ids) == text
     # SmolLM2 splits numbers into single digits (llama.cpp's "smollm" pre-tokenizer).

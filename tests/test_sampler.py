@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from sglite.model_executor.sampler import Sampler, SamplingBatchInfo
 from sglite.sampling_params import SamplingParams
 
@@ -34,8 +33,11 @@ def _expect(freq: torch.Tensor, kept: list[int], weights: torch.Tensor = PROBS) 
 
 def test_greedy_rows_take_the_argmax_next_to_sampled_rows():
     logits = torch.tensor([[0.1, 2.0, 1.9], [3.0, 0.0, -1.0], [0.0, 0.0, 5.0]])
-    params = [SamplingParams(temperature=0), SamplingParams(top_k=1),
-              SamplingParams(temperature=1.0, top_k=2, seed=1)]
+    params = [
+        SamplingParams(temperature=0),
+        SamplingParams(top_k=1),
+        SamplingParams(temperature=1.0, top_k=2, seed=1),
+    ]
     info = _info(params, vocab_size=3)
     assert not info.all_greedy
     out = Sampler()(logits, info)
@@ -84,8 +86,12 @@ def test_masks_use_the_temperature_scaled_distribution():
 
 def test_repetition_penalty_divides_positive_and_multiplies_negative_logits():
     logits = torch.tensor([[2.0, -2.0, 1.0, -1.0]])
-    info = _info([SamplingParams(repetition_penalty=2.0)], vocab_size=4,
-                 prompt_ids=[[0]], output_ids=[[1, 1]])
+    info = _info(
+        [SamplingParams(repetition_penalty=2.0)],
+        vocab_size=4,
+        prompt_ids=[[0]],
+        output_ids=[[1, 1]],
+    )
     out = Sampler.apply_penalties(logits, info)
     assert out.tolist() == [[1.0, -4.0, 1.0, -1.0]]
 
@@ -125,8 +131,9 @@ def test_same_seed_same_tokens_whatever_the_batch():
     alone, crowded = [], []
     for _ in range(20):
         alone.append(run([seeded], [history], 0))
-        crowded.append(run([SamplingParams(), SamplingParams(seed=5), seeded],
-                           [[1], [2, 3], history], 2))
+        crowded.append(
+            run([SamplingParams(), SamplingParams(seed=5), seeded], [[1], [2, 3], history], 2)
+        )
         history = history + [alone[-1]]
     assert alone == crowded
     assert len(set(alone)) > 3  # the step counter moves the stream on

@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 
 import pytest
-
 from sglite.sampling_params import SamplingParams
 
 INVALID = [
@@ -63,9 +62,19 @@ def test_defaults_follow_sglang():
 
 
 def test_valid_edges_are_accepted():
-    p = SamplingParams(max_new_tokens=0, temperature=0, top_p=1, top_k=1, min_p=1,
-                       frequency_penalty=-2, presence_penalty=2, repetition_penalty=2,
-                       stop=["a", "bc"], stop_token_ids=[0, 5], seed=-3)
+    p = SamplingParams(
+        max_new_tokens=0,
+        temperature=0,
+        top_p=1,
+        top_k=1,
+        min_p=1,
+        frequency_penalty=-2,
+        presence_penalty=2,
+        repetition_penalty=2,
+        stop=["a", "bc"],
+        stop_token_ids=[0, 5],
+        seed=-3,
+    )
     assert p.is_greedy and p.stop_strs == ("a", "bc")
     assert SamplingParams(stop="x").stop_strs == ("x",)
     assert SamplingParams(top_k=1).is_greedy and SamplingParams(temperature=1e-9).is_greedy

@@ -61,7 +61,7 @@ def reference(tiny_model_dir):
     return model_dir, reqs, hf_reference(model_dir, reqs)
 
 
-def run_engine(core, model_dir, reqs, *, page_size, policy, overlap, total_tokens=352, conserv=0.1):
+def run_engine(core, model_dir, reqs, *, page_size, policy, overlap, total_tokens=320, conserv=0.1):
     from sglite.model_executor.model_runner import ModelRunner
 
     runner = ModelRunner(model_dir, device="cpu", page_size=page_size,

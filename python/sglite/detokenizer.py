@@ -10,8 +10,9 @@ Per request, `IncrementalDecoder` keeps a window of ids and two offsets into it:
 New text is committed (and the window slides) only when it does not end in U+FFFD, i.e.
 never in the middle of a multi-byte character. The complete characters before a trailing
 U+FFFD run are emitted early; `sent_len` remembers how much of the text the client has.
-While unfinished, a tail that could be the start of a stop string is held back. On finish,
-a matched stop string is cut (and its stop token id dropped) unless `no_stop_trim`.
+While unfinished, a tail that could be the start of a stop string is held back (when the
+scheduler sends the request's stop strings). On finish, a matched stop string is cut (and a
+matched stop token id dropped) unless `no_stop_trim`.
 """
 
 from __future__ import annotations
@@ -99,8 +100,9 @@ class IncrementalDecoder:
                 pos = final.find(matched)
             if pos >= 0:
                 final = final[:pos]
-        if len(final) < self.sent_len:
-            logger.debug("stop text was already streamed (%d > %d chars)", self.sent_len, len(final))
+        if len(final) < self.sent_len:  # only without stop_strs: nothing was held back
+            logger.debug("part of a stop string was streamed (%d > %d chars)",
+                         self.sent_len, len(final))
         self.text = final
         return self._emit(final)
 
@@ -121,7 +123,7 @@ class DetokenizerManager:
 
     def handle(self, batch: BatchTokenOutput) -> BatchTextOutput:
         stop_strs = getattr(batch, "stop_strs", None)  # optional: enables stop holdback
-        texts = []
+        texts, reasons = [], list(batch.finished_reasons)
         for i, rid in enumerate(batch.rids):
             state = self.states.get(rid)
             if state is None:
@@ -133,15 +135,21 @@ class DetokenizerManager:
                     stop_strs=stop_strs[i] if stop_strs else (),
                 )
                 self.states[rid] = state
-            reason = batch.finished_reasons[i]
-            texts.append(state.step(batch.output_ids[i], reason))
-            if reason is not None:
-                del self.states[rid]
+            try:
+                texts.append(state.step(batch.output_ids[i], reasons[i]))
+            except Exception as e:  # a bad id must not take the detokenizer down
+                logger.exception("could not detokenize request %s", rid)
+                texts.append("")
+                if reasons[i] is None:  # the scheduler keeps running it; the client is told
+                    reasons[i] = {"type": "abort", "status_code": 500,
+                                  "message": f"detokenization failed: {e}"}
+            if reasons[i] is not None:
+                self.states.pop(rid, None)
         return BatchTextOutput(
             rids=list(batch.rids),
             texts=texts,
             output_ids=[list(x) for x in batch.output_ids],
-            finished_reasons=list(batch.finished_reasons),
+            finished_reasons=reasons,
             prompt_tokens=list(batch.prompt_tokens),
             completion_tokens=list(batch.completion_tokens),
             cached_tokens=list(batch.cached_tokens),

@@ -6,7 +6,8 @@
 
 `generate` takes SGLang's arguments and returns the same dicts as POST /generate (a list for
 a list of prompts). The TokenizerManager runs on a private event loop in a daemon thread,
-so the Engine also works where the caller already runs an event loop (notebooks).
+so the Engine also works where the caller already runs an event loop (notebooks). The
+children are spawned, so a script must create the Engine under `if __name__ == "__main__":`.
 """
 
 from __future__ import annotations

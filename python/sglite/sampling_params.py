@@ -27,7 +27,9 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _check_number(name: str, value: Any, low: float, high: float, *, low_open: bool = False) -> None:
+def _check_number(
+    name: str, value: Any, low: float, high: float, *, low_open: bool = False
+) -> None:
     if not _is_number(value) or not math.isfinite(value):
         raise ValueError(f"{name} must be a finite number, got {value!r}")
     too_low = value <= low if low_open else value < low
@@ -61,13 +63,9 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_new_tokens) or self.max_new_tokens < 0:
-            raise ValueError(
-                f"max_new_tokens must be an integer >= 0, got {self.max_new_tokens!r}"
-            )
+            raise ValueError(f"max_new_tokens must be an integer >= 0, got {self.max_new_tokens!r}")
         if not _is_int(self.min_new_tokens) or self.min_new_tokens < 0:
-            raise ValueError(
-                f"min_new_tokens must be an integer >= 0, got {self.min_new_tokens!r}"
-            )
+            raise ValueError(f"min_new_tokens must be an integer >= 0, got {self.min_new_tokens!r}")
         if self.min_new_tokens > self.max_new_tokens:
             raise ValueError(
                 f"min_new_tokens ({self.min_new_tokens}) must not exceed "
@@ -76,14 +74,10 @@ class SamplingParams:
         if not _is_number(self.temperature) or not math.isfinite(self.temperature):
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if self.temperature < 0:
-            raise ValueError(
-                f"temperature must be >= 0 (0 means greedy), got {self.temperature!r}"
-            )
+            raise ValueError(f"temperature must be >= 0 (0 means greedy), got {self.temperature!r}")
         _check_number("top_p", self.top_p, 0.0, 1.0, low_open=True)
         if not _is_int(self.top_k) or (self.top_k != -1 and self.top_k < 1):
-            raise ValueError(
-                f"top_k must be -1 (disabled) or an integer >= 1, got {self.top_k!r}"
-            )
+            raise ValueError(f"top_k must be -1 (disabled) or an integer >= 1, got {self.top_k!r}")
         _check_number("min_p", self.min_p, 0.0, 1.0)
         _check_number("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
         _check_number("presence_penalty", self.presence_penalty, -2.0, 2.0)
@@ -94,8 +88,7 @@ class SamplingParams:
                 _is_int(t) and t >= 0 for t in self.stop_token_ids
             ):
                 raise ValueError(
-                    "stop_token_ids must be a list of integers >= 0, "
-                    f"got {self.stop_token_ids!r}"
+                    f"stop_token_ids must be a list of integers >= 0, got {self.stop_token_ids!r}"
                 )
         _check_bool("ignore_eos", self.ignore_eos)
         _check_bool("skip_special_tokens", self.skip_special_tokens)
@@ -108,9 +101,7 @@ class SamplingParams:
         if stop is None:
             return
         items = [stop] if isinstance(stop, str) else stop
-        if not isinstance(items, (list, tuple)) or not all(
-            isinstance(s, str) and s for s in items
-        ):
+        if not isinstance(items, (list, tuple)) or not all(isinstance(s, str) and s for s in items):
             raise ValueError(
                 f"stop must be a non-empty string or a list of non-empty strings, got {stop!r}"
             )

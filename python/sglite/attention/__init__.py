@@ -37,7 +37,6 @@ def create_attention_backend(name: str, runner: ModelRunner) -> AttentionBackend
         module = importlib.import_module(module_name)
     except ImportError as e:
         raise ValueError(
-            f"attention backend {name!r} is unavailable: {e}; "
-            "use --attention-backend torch_native"
+            f"attention backend {name!r} is unavailable: {e}; use --attention-backend torch_native"
         ) from e
     return getattr(module, class_name)(runner)

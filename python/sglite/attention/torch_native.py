@@ -84,13 +84,17 @@ class TorchNativeAttnBackend(AttentionBackend):
             real = (i[None, :] < lens[:, None]).ravel()
             out_index = torch.from_numpy(np.flatnonzero(real)).to(device)
         keys = torch.arange(max_len, device=device).view(1, 1, max_len)
-        q_pos = batch.extend_prefix_lens.view(bs, 1, 1) + torch.arange(
-            max_ext, device=device
-        ).view(1, max_ext, 1)
+        q_pos = batch.extend_prefix_lens.view(bs, 1, 1) + torch.arange(max_ext, device=device).view(
+            1, max_ext, 1
+        )
         mask = (keys <= q_pos) & (keys < batch.seq_lens.view(bs, 1, 1))
         return _Metadata(
-            self._slots(batch, max_len), max_len, mask.unsqueeze(1),
-            q_index=q_index, max_extend_len=max_ext, out_index=out_index,
+            self._slots(batch, max_len),
+            max_len,
+            mask.unsqueeze(1),
+            q_index=q_index,
+            max_extend_len=max_ext,
+            out_index=out_index,
         )
 
     # ------------------------------------------------------------------ forward
@@ -133,8 +137,12 @@ class TorchNativeAttnBackend(AttentionBackend):
         gqa = layer.num_heads != layer.num_kv_heads
         if meta.causal:  # one request, nothing cached: this step's K/V are the whole sequence
             out = F.scaled_dot_product_attention(
-                q.transpose(0, 1), k.transpose(0, 1).to(q.dtype), v.transpose(0, 1).to(q.dtype),
-                is_causal=True, scale=layer.scaling, enable_gqa=gqa,
+                q.transpose(0, 1),
+                k.transpose(0, 1).to(q.dtype),
+                v.transpose(0, 1).to(q.dtype),
+                is_causal=True,
+                scale=layer.scaling,
+                enable_gqa=gqa,
             )
             return out.transpose(0, 1)
         keys, values = self._gather_kv(layer, batch, meta)
@@ -143,8 +151,12 @@ class TorchNativeAttnBackend(AttentionBackend):
             q = q.index_select(0, meta.q_index)
         q = q.view(bs, max_ext, layer.num_heads, layer.head_dim).transpose(1, 2)
         out = F.scaled_dot_product_attention(
-            q, keys.to(q.dtype), values.to(q.dtype), attn_mask=meta.mask,
-            scale=layer.scaling, enable_gqa=gqa,
+            q,
+            keys.to(q.dtype),
+            values.to(q.dtype),
+            attn_mask=meta.mask,
+            scale=layer.scaling,
+            enable_gqa=gqa,
         )
         out = out.transpose(1, 2).reshape(bs * max_ext, layer.num_heads, layer.head_dim)
         if meta.out_index is not None:

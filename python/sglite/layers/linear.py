@@ -29,8 +29,10 @@ def _param(shape: Sequence[int], dtype: torch.dtype, device: torch.device | None
 
 def _copy_checked(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
     if dst.shape != src.shape:
-        raise ValueError(f"{what}: checkpoint tensor has shape {tuple(src.shape)}, "
-                         f"the model expects {tuple(dst.shape)}")
+        raise ValueError(
+            f"{what}: checkpoint tensor has shape {tuple(src.shape)}, "
+            f"the model expects {tuple(dst.shape)}"
+        )
     dst.copy_(src)
 
 
@@ -115,7 +117,9 @@ class ColumnParallelLinear(LinearBase):
     ) -> None:
         _check_divisible(out_features, tp_size, "out_features")
         self.tp_size, self.tp_rank = tp_size, tp_rank
-        super().__init__(in_features, out_features // tp_size, bias=bias, dtype=dtype, device=device)
+        super().__init__(
+            in_features, out_features // tp_size, bias=bias, dtype=dtype, device=device
+        )
 
     def _shard_rows(self, loaded: torch.Tensor, total: int) -> torch.Tensor:
         size = total // self.tp_size
@@ -146,8 +150,13 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             _check_divisible(size, tp_size, "output size")
         self.output_sizes = list(output_sizes)
         super().__init__(
-            in_features, sum(output_sizes), bias=bias, dtype=dtype, device=device,
-            tp_size=tp_size, tp_rank=tp_rank,
+            in_features,
+            sum(output_sizes),
+            bias=bias,
+            dtype=dtype,
+            device=device,
+            tp_size=tp_size,
+            tp_rank=tp_rank,
         )
 
     def weight_loader(
@@ -188,8 +197,13 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.num_kv_heads = num_kv_heads // tp_size
         total = (num_heads + 2 * num_kv_heads) * head_dim
         super().__init__(
-            hidden_size, total, bias=bias, dtype=dtype, device=device,
-            tp_size=tp_size, tp_rank=tp_rank,
+            hidden_size,
+            total,
+            bias=bias,
+            dtype=dtype,
+            device=device,
+            tp_size=tp_size,
+            tp_rank=tp_rank,
         )
 
     @property
@@ -203,8 +217,11 @@ class QKVParallelLinear(ColumnParallelLinear):
     def weight_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None
     ) -> None:
-        offsets = {"q": (0, self.q_size), "k": (self.q_size, self.kv_size),
-                   "v": (self.q_size + self.kv_size, self.kv_size)}
+        offsets = {
+            "q": (0, self.q_size),
+            "k": (self.q_size, self.kv_size),
+            "v": (self.q_size + self.kv_size, self.kv_size),
+        }
         if shard_id not in offsets:
             raise ValueError(f"QKVParallelLinear: shard id must be q, k or v, got {shard_id!r}")
         offset, size = offsets[shard_id]
@@ -231,7 +248,9 @@ class RowParallelLinear(LinearBase):
     ) -> None:
         _check_divisible(in_features, tp_size, "in_features")
         self.tp_size, self.tp_rank = tp_size, tp_rank
-        super().__init__(in_features // tp_size, out_features, bias=bias, dtype=dtype, device=device)
+        super().__init__(
+            in_features // tp_size, out_features, bias=bias, dtype=dtype, device=device
+        )
 
     def weight_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None

@@ -30,9 +30,14 @@ from sglite.models.model_config import ModelConfig
 logger = logging.getLogger(__name__)
 
 DTYPES = {
-    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
 }
 DEFAULT_MEM_FRACTION_STATIC = 0.88
 # CPU without --max-total-tokens: at most this many bytes of KV, and a quarter of the RAM.
@@ -104,13 +109,16 @@ class ModelRunner:
             logger.warning(
                 "%s uses sliding-window attention (%d tokens), which sglite does not "
                 "implement; capping the context length at %d",
-                config.architecture, config.sliding_window, config.sliding_window,
+                config.architecture,
+                config.sliding_window,
+                config.sliding_window,
             )
             ctx = config.sliding_window
         elif context_length is not None and context_length > config.context_length:
             logger.warning(
                 "context_length %d exceeds the model's %d; quality beyond it is not guaranteed",
-                context_length, config.context_length,
+                context_length,
+                config.context_length,
             )
         return dataclasses.replace(config, context_length=ctx)
 
@@ -157,7 +165,10 @@ class ModelRunner:
         self.allocator = core.PageAllocator(num_slots, ps)
         logger.info(
             "KV pool: %d slots (%.2f GiB, page size %d), %d request rows",
-            num_slots, self.kv_pool.memory_bytes() / (1 << 30), ps, self.max_running_requests,
+            num_slots,
+            self.kv_pool.memory_bytes() / (1 << 30),
+            ps,
+            self.max_running_requests,
         )
 
     # ---------------------------------------------------------------- per step

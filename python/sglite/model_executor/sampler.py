@@ -95,15 +95,18 @@ class SamplingBatchInfo:
         if any(p.frequency_penalty or p.presence_penalty for p in params):
             fields["token_counts"] = _counts(outputs, vocab_size, device)
             fields["frequency_penalties"] = tensor(
-                [p.frequency_penalty for p in params], torch.float32).view(bs, 1)
+                [p.frequency_penalty for p in params], torch.float32
+            ).view(bs, 1)
             fields["presence_penalties"] = tensor(
-                [p.presence_penalty for p in params], torch.float32).view(bs, 1)
+                [p.presence_penalty for p in params], torch.float32
+            ).view(bs, 1)
         if any(p.repetition_penalty != 1.0 for p in params):
             prompts = prompt_ids if prompt_ids is not None else [()] * bs
             history = [list(a) + list(b) for a, b in zip(prompts, outputs)]
             fields["seen_tokens"] = _counts(history, vocab_size, device) > 0
             fields["repetition_penalties"] = tensor(
-                [p.repetition_penalty for p in params], torch.float32).view(bs, 1)
+                [p.repetition_penalty for p in params], torch.float32
+            ).view(bs, 1)
         banned = [
             (i, list(eos_token_ids) + list(p.stop_token_ids or ()))
             for i, p in enumerate(params)

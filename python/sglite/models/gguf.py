@@ -225,14 +225,20 @@ def _write_tokenizer(reader: Any, out: Path, tokens: list[str]) -> None:
     tok.pre_tokenizer = pre_tokenizers.Sequence(splitters)
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    tok.add_special_tokens([
-        AddedToken(t, special=True, normalized=False)
-        for t, kind in zip(tokens, types) if kind == _TOKEN_TYPE_CONTROL
-    ])
-    tok.add_tokens([
-        AddedToken(t, special=False, normalized=False)
-        for t, kind in zip(tokens, types) if kind == _TOKEN_TYPE_USER_DEFINED
-    ])
+    tok.add_special_tokens(
+        [
+            AddedToken(t, special=True, normalized=False)
+            for t, kind in zip(tokens, types)
+            if kind == _TOKEN_TYPE_CONTROL
+        ]
+    )
+    tok.add_tokens(
+        [
+            AddedToken(t, special=False, normalized=False)
+            for t, kind in zip(tokens, types)
+            if kind == _TOKEN_TYPE_USER_DEFINED
+        ]
+    )
     tok.save(str(out / "tokenizer.json"))
 
     def name(key: str) -> str | None:

@@ -74,12 +74,20 @@ class LlamaAttention(nn.Module):
         self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
         self.head_dim = config.head_dim
         self.qkv_proj = QKVParallelLinear(
-            config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads,
-            bias=qkv_bias, dtype=dtype, device=device,
+            config.hidden_size,
+            self.head_dim,
+            self.num_heads,
+            self.num_kv_heads,
+            bias=qkv_bias,
+            dtype=dtype,
+            device=device,
         )
         self.o_proj = RowParallelLinear(
-            self.num_heads * self.head_dim, config.hidden_size, bias=o_bias,
-            dtype=dtype, device=device,
+            self.num_heads * self.head_dim,
+            config.hidden_size,
+            bias=o_bias,
+            dtype=dtype,
+            device=device,
         )
         self.q_norm = self.k_norm = None
         if qk_norm:
@@ -91,7 +99,9 @@ class LlamaAttention(nn.Module):
             self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, layer_id
         )
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch
+    ) -> torch.Tensor:
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)
         q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
@@ -165,22 +175,35 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.rotary_emb = RotaryEmbedding(
-            config.head_dim, config.context_length, config.rope_theta, config.rope_scaling,
-            dtype=dtype, device=device,
+            config.head_dim,
+            config.context_length,
+            config.rope_theta,
+            config.rope_scaling,
+            dtype=dtype,
+            device=device,
         )
         layers = [
             LlamaDecoderLayer(
                 LlamaAttention(
-                    config, i, self.rotary_emb, dtype, device,
-                    qkv_bias=self.has_qkv_bias(config), o_bias=self.has_o_bias(config),
+                    config,
+                    i,
+                    self.rotary_emb,
+                    dtype,
+                    device,
+                    qkv_bias=self.has_qkv_bias(config),
+                    o_bias=self.has_o_bias(config),
                     qk_norm=self.qk_norm,
                 ),
-                config, dtype, device,
+                config,
+                dtype,
+                device,
             )
             for i in range(config.num_layers)
         ]
         self.model = LlamaModel(layers, config, dtype, device)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+        self.lm_head = ParallelLMHead(
+            config.vocab_size, config.hidden_size, dtype=dtype, device=device
+        )
         if config.tie_word_embeddings:
             self.lm_head.tie_to(self.model.embed_tokens)
         self.logits_processor = LogitsProcessor()

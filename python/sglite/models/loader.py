@@ -75,7 +75,10 @@ def load_model(
     model.load_weights(iter_weights(path))
     model.eval()
     logger.info(
-        "loaded %s (%s, %s) in %.1fs", path.name, config.architecture, dtype,
+        "loaded %s (%s, %s) in %.1fs",
+        path.name,
+        config.architecture,
+        dtype,
         time.perf_counter() - start,
     )
     return model

@@ -43,6 +43,7 @@ def matched_stop(reason: dict[str, Any] | None) -> int | str | None:
 
 
 def check_model(tm: TokenizerManager, model: str) -> None:
+    """The served name, the model path, or "default" (what many OpenAI examples send)."""
     names = {tm.served_model_name, tm.server_args.model_path, "default"}
     if model not in names:
         raise RequestError(f"model: unknown model {model!r}; this server serves "
@@ -67,11 +68,13 @@ def _prompts_for(tm: TokenizerManager, req: CompletionRequest | ChatCompletionRe
                            param="stream_options")
     prompts: list[Prompt] = []
     for i, (ids, text, param) in enumerate(token_lists):
-        budget = max_tokens if max_tokens is not None else tm.inputs.max_new_tokens_limit(len(ids))
-        sp, n = tm.inputs.sampling_params(req.sampling_dict(max(budget, 0)), param=None)
-        rid = None if req.rid is None else (req.rid if len(token_lists) == 1 else f"{req.rid}_{i}")
+        budget = max_tokens  # none given: as many as fit (OpenAI's chat default)
+        if budget is None:
+            budget = max(tm.inputs.max_new_tokens_limit(len(ids)), 0)
+        sp, n = tm.inputs.sampling_params(req.sampling_dict(budget), param=None)
+        rid = req.rid if req.rid is None or len(token_lists) == 1 else f"{req.rid}_{i}"
         prompts += tm.inputs.make_prompts(ids, sp, n, param=param, text=text, rid=rid,
-                                   max_param=max_param)
+                                          max_param=max_param)
     return prompts, [len(ids) for ids, _, _ in token_lists]
 
 
