@@ -189,6 +189,7 @@ class TreeCoreParity(RuleBasedStateMachine):
         self.loose: list[np.ndarray] = []  # allocated with alloc(), owned by no request
         self.extra_locks: list[int] = []
         self.seen_ids: list[int] = [0]
+        self.history: list[tuple[list[int], str | None]] = []  # finished requests, newest first
 
     # ------------------------------------------------------------ helpers
     def seen(self, node_id: int) -> None:
@@ -244,6 +245,7 @@ class TreeCoreParity(RuleBasedStateMachine):
             )
             self.seen(node)
             assert cached >= req.own_from
+            self.history = [(req.tokens, req.ns), *self.history[:15]]
             key_len = len(req.tokens) // self.ps * self.ps
             dup_and_tail = np.concatenate([req.slots[req.own_from : cached], req.slots[key_len:]])
             self.free(dup_and_tail, group=priority % 2 == 0)
@@ -266,6 +268,17 @@ class TreeCoreParity(RuleBasedStateMachine):
                 self.decode(mine[i % len(mine)], token)
         for k, req in enumerate(reversed(mine)):
             self.finish(req, priority + k, abort=False, dtype=dtype)
+
+    @precondition(lambda self: self.history)
+    @rule(i=st.integers(0, 15), priority=st.integers(-3, 3), evict_first=st.integers(0, 40))
+    def serve_again(self, i: int, priority: int, evict_first: int) -> None:
+        """Repeat a finished request: its walk re-stamps hits, priority and access of cached
+        nodes, which only shows in the eviction order afterwards."""
+        tokens, ns = self.history[i % len(self.history)]
+        self.free(self.tree.call("evict", evict_first))
+        self.start(tokens, ns, None)
+        if self.requests and self.requests[-1].tokens == tokens:
+            self.finish(self.requests[-1], priority, abort=False, dtype=None)
 
     @precondition(lambda self: len(self.requests) < 4)
     @rule(tokens=TOKENS, ns=NAMESPACES, dtype=DTYPES)
@@ -431,9 +444,15 @@ def test_long_trace_parity(page_size: int, policy: str):
     tree = both("RadixTree", page_size, policy)
     alloc = both("PageAllocator", 4096, page_size)
     prompts = [rng.integers(0, 50, int(rng.integers(20, 200))) for _ in range(6)]
-    for step in range(300):
-        tokens = np.concatenate([prompts[step % 6], rng.integers(0, 50, int(rng.integers(1, 60)))])
-        ns = "tenant" if step % 5 == 0 else None
+    history: list[tuple[np.ndarray, str | None]] = []
+    for step in range(400):
+        if history and step % 3 == 0:  # a repeat walks (and re-stamps) cached leaves
+            tokens, ns = history[int(rng.integers(len(history)))]
+        else:
+            suffix = rng.integers(0, 50, int(rng.integers(1, 60)))
+            tokens = np.concatenate([prompts[step % 6], suffix])
+            ns = "tenant" if step % 5 == 0 else None
+            history = [(tokens, ns), *history[:30]]
         prefix, node = tree.call("match_prefix", tokens, extra_key=ns)
         tree.call("lock", node)
         own = alloc.call("alloc_extend", [len(prefix)], [len(tokens)], [-1])
@@ -442,7 +461,8 @@ def test_long_trace_parity(page_size: int, policy: str):
             own = alloc.call("alloc_extend", [len(prefix)], [len(tokens)], [-1])
         assert isinstance(own, np.ndarray)
         slots = np.concatenate([prefix, own])
-        cached, _ = tree.call("insert", tokens, slots, extra_key=ns, priority=step % 3)
+        priority = int(rng.integers(-3, 4))
+        cached, _ = tree.call("insert", tokens, slots, extra_key=ns, priority=priority)
         key_len = len(tokens) // page_size * page_size
         alloc.call("free", np.concatenate([slots[len(prefix) : cached], slots[key_len:]]))
         tree.call("unlock", node)

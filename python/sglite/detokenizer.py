@@ -122,7 +122,7 @@ class DetokenizerManager:
         self.states: dict[str, IncrementalDecoder] = {}
 
     def handle(self, batch: BatchTokenOutput) -> BatchTextOutput:
-        stop_strs = getattr(batch, "stop_strs", None)  # optional: enables stop holdback
+        stop_strs = batch.stop_strs
         texts, reasons = [], list(batch.finished_reasons)
         for i, rid in enumerate(batch.rids):
             state = self.states.get(rid)

@@ -2,7 +2,7 @@
 
 Flow: TokenizerManager --(GenerateReq, AbortReq, FlushCacheReq, GetStatsReq)--> Scheduler
       Scheduler --(BatchTokenOutput)--> Detokenizer --(BatchTextOutput)--> TokenizerManager
-      Scheduler --(FlushCacheResp, StatsResp)--> Detokenizer, which forwards them unchanged.
+      Scheduler --(FlushCacheResp, StatsResp)--> TokenizerManager (straight, no detokenizer).
 
 Finish reasons are plain dicts, as in the HTTP API:
   {"type": "stop", "matched": <token id or stop string>}   (matched None: EOS without id)
@@ -81,6 +81,9 @@ class BatchTokenOutput:
     cached_tokens: list[int]
     skip_special_tokens: list[bool]
     no_stop_trim: list[bool]
+    # a request's stop strings, in its first output only: the detokenizer holds back any
+    # streamed tail that could still become one of them
+    stop_strs: list[list[str]] = field(default_factory=list)
 
 
 @dataclass

@@ -90,8 +90,10 @@ class ScheduleBatch:
         """Flat input ids; decode rows whose input is in flight get a future reference."""
         out: list[int] = []
         for req, s, e, dec in zip(self.reqs, self.starts, self.ends, self.is_decode):
-            if dec and id(req) in future_of:
-                out.append(-(future_of[id(req)] + 1))
-            else:
+            if not dec:
                 out.extend(req.fill_slice(s, e))
+            elif id(req) in future_of:
+                out.append(-(future_of[id(req)] + 1))
+            else:  # the newest token of the request
+                out.append(req.output_ids[-1] if req.output_ids else req.input_ids[-1])
         return np.asarray(out, dtype=np.int64)

@@ -55,7 +55,10 @@ class DecodeManager:
 
     def decodable(self) -> list[Req]:
         """Running requests that need another token (finishers in flight sit out)."""
-        return [r for r in self.s.running if not r.finished and not r.finishing_in_flight]
+        return [
+            r for r in self.s.running
+            if r.finished_reason is None and r.scheduled_outputs < r.sampling_params.max_new_tokens
+        ]  # fmt: skip
 
     def get_batch(self) -> ScheduleBatch | None:
         reqs = self.decodable()

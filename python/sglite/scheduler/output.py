@@ -47,6 +47,7 @@ class OutputStreamer:
         out.cached_tokens.append(req.cached_tokens)
         out.skip_special_tokens.append(req.sampling_params.skip_special_tokens)
         out.no_stop_trim.append(req.sampling_params.no_stop_trim)
+        out.stop_strs.append([] if req.first_output_sent else list(req.sampling_params.stop_strs))
         req.sent_len = len(req.output_ids)
         req.first_output_sent = True
         req.finish_sent = reason is not None

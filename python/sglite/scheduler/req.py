@@ -121,7 +121,7 @@ class StopChecker:
         out = req.output_ids
         last = out[-1]
         past_min = len(out) >= sp.min_new_tokens
-        stops = [sp.stop] if isinstance(sp.stop, str) else sp.stop
+        stops = sp.stop_strs
         if past_min and stops:
             longest = max(len(s) for s in stops)
             tail = self.decode_tail(out[-(longest + STOP_STRING_TAIL_TOKENS) :])

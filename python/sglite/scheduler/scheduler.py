@@ -187,27 +187,32 @@ class Scheduler:
         return self.decode.get_batch()
 
     def launch(self, batch: ScheduleBatch) -> Future:
-        slots = self.client.future_slots(len(batch.reqs))
+        reqs = batch.reqs
+        n = len(reqs)
+        slots = self.client.future_slots(n)
         batch.future_slots = slots
         input_ids = batch.input_ids(self.future_of)
-        penalty = []
-        for i, req in enumerate(batch.reqs):
+        slot_list = slots.tolist()
+        rows, prompt_lens, params, rids = [0] * n, [0] * n, [None] * n, [""] * n
+        penalty: list = [None] * n
+        for i, (req, samples) in enumerate(zip(reqs, batch.sample_mask)):
             sp = req.sampling_params
-            uses = sp.frequency_penalty or sp.presence_penalty or sp.repetition_penalty != 1.0
-            penalty.append((req.input_ids, list(req.output_ids)) if uses else None)
-            if batch.sample_mask[i]:
-                self.future_of[id(req)] = int(slots[i])
+            rows[i], prompt_lens[i], params[i], rids[i] = req.row, len(req.input_ids), sp, req.rid
+            if sp.frequency_penalty or sp.presence_penalty or sp.repetition_penalty != 1.0:
+                penalty[i] = (req.input_ids, list(req.output_ids))
+            if samples:
+                self.future_of[id(req)] = slot_list[i]
                 req.scheduled_outputs += 1
         fi = ForwardInput(
             mode=batch.mode,
-            rids=[r.rid for r in batch.reqs],
-            rows=np.asarray([r.row for r in batch.reqs], dtype=np.int64),
+            rids=rids,
+            rows=np.asarray(rows, dtype=np.int64),
             prefix_lens=np.asarray(batch.starts, dtype=np.int64),
             seq_lens=np.asarray(batch.ends, dtype=np.int64),
-            prompt_lens=np.fromiter((len(r.input_ids) for r in batch.reqs), np.int64, len(batch.reqs)),
+            prompt_lens=np.asarray(prompt_lens, dtype=np.int64),
             input_ids=input_ids,
             out_cache_loc=batch.out_cache_loc,
-            sampling_params=[r.sampling_params for r in batch.reqs],
+            sampling_params=params,
             future_slots=slots,
             penalty_tokens=penalty,
         )
