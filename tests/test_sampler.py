@@ -150,3 +150,19 @@ def test_seeded_sampling_follows_the_distribution():
 def test_build_checks_history_length():
     with pytest.raises(ValueError, match="2 sampling params but 1 output histories"):
         _info([SamplingParams()] * 2, output_ids=[[1]])
+
+
+def test_output_lens_drive_seeds_and_min_new_tokens_without_histories():
+    logits = torch.tensor([[0.0, 5.0, 4.0]])
+    params = [SamplingParams(temperature=0, min_new_tokens=2)]
+    assert Sampler()(
+        logits, _info(params, vocab_size=3, output_lens=[1], eos_token_ids=[1])
+    ).tolist() == [2]
+    assert Sampler()(
+        logits, _info(params, vocab_size=3, output_lens=[2], eos_token_ids=[1])
+    ).tolist() == [1]
+    seeded = [SamplingParams(seed=9)]
+    logits = torch.zeros(1, 64)
+    by_len = Sampler()(logits, _info(seeded, vocab_size=64, output_lens=[5]))
+    by_ids = Sampler()(logits, _info(seeded, vocab_size=64, output_ids=[[0] * 5]))
+    assert by_len.tolist() == by_ids.tolist()

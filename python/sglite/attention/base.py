@@ -21,7 +21,21 @@ Contract
   single new token attends to positions 0..seq_len-1.
 - `forward` must not change `batch` or the pools (other than what `save_kv` wrote).
 
-CUDA graph hooks (capture/replay of decode) are added by the backends that support them.
+CUDA graph hooks (optional; `supports_cuda_graph` says whether a backend has them). Decode
+runs inside a captured graph only on backends that implement all three; the others run it
+eagerly. The `CudaGraphRunner` (model_executor/cuda_graph_runner.py) calls, in order:
+- `init_cuda_graph_state(max_bs)` once: allocate fixed-size metadata buffers for decode
+  batches of up to `max_bs` requests of up to the context length (`req_to_token`'s width).
+- `init_forward_metadata_capture(batch)` per captured batch size: bind the metadata of a
+  decode batch of `batch.batch_size` rows to views of those buffers (the graph keeps their
+  addresses) and fill them, like `init_forward_metadata_replay(batch, batch.batch_size)`.
+- `init_forward_metadata_replay(batch, num_real)` before each replay: refill the same
+  buffers in place, outside the graph, from `batch`'s device tensors. `batch` is the
+  runner's static, padded batch: its first `num_real` rows are real, the others padding
+  (request row 0, KV slot 0, seq_len 1). Its `seq_lens_cpu` are placeholders: read only
+  the device tensors, and never synchronize with the device.
+Under capture, `save_kv` and `forward_decode` must reach the metadata only through those
+buffers and must not synchronize: the graph replays exactly the kernels they launched.
 """
 
 from __future__ import annotations
@@ -86,3 +100,18 @@ class AttentionBackend(ABC):
         batch: ForwardBatch,
     ) -> torch.Tensor:
         """Decode batches (one new token per request)."""
+
+    # ---------------------------------------------------------------- CUDA graph hooks
+    supports_cuda_graph: bool = False
+
+    def init_cuda_graph_state(self, max_bs: int) -> None:
+        """Allocate the fixed-size decode metadata buffers (see the module docstring)."""
+        raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
+
+    def init_forward_metadata_capture(self, batch: ForwardBatch) -> None:
+        """Bind the decode metadata to the fixed buffers for capture, and fill them."""
+        raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
+
+    def init_forward_metadata_replay(self, batch: ForwardBatch, num_real: int) -> None:
+        """Refill the fixed buffers in place before a replay of `batch.batch_size` rows."""
+        raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")

@@ -12,6 +12,12 @@ Every layer then stores its K/V with the `store_kv` kernel (`save_kv`) and runs 
 split-KV decode, or extend (prefix through the slot list, new tokens from this step's k/v).
 Slot-level indices work for any page size. On CPU the kernels run only through Triton's
 interpreter (TRITON_INTERPRET=1 before start-up), which the test suite uses.
+
+CUDA graphs (decode): `init_cuda_graph_state` allocates one set of fixed-size buffers
+(`_GraphBuffers`) for the largest captured batch; a captured batch of bs rows reads views of
+their first rows, and `init_forward_metadata_replay` refills them in place before each replay
+(kv_indices holds up to max_bs * context-length slot ids, so any lengths fit). Real rows get
+the same split counts as in eager mode (computed over the real rows only), padded rows one.
 """
 
 from __future__ import annotations
@@ -20,6 +26,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+
+from sglite.attention.base import AttentionBackend
 from sglite_kernels import (
     decode_attention,
     extend_attention,
@@ -28,8 +36,6 @@ from sglite_kernels import (
     num_kv_splits,
     store_kv,
 )
-
-from sglite.attention.base import AttentionBackend
 
 if TYPE_CHECKING:
     from sglite.layers.radix_attention import RadixAttention
@@ -52,6 +58,21 @@ class _Metadata:
     max_extend_len: int = 0
 
 
+@dataclass(eq=False)
+class _GraphBuffers:
+    """Decode metadata and split scratch of every captured batch size, allocated once."""
+
+    kv_indptr: torch.Tensor  # [max_bs + 1] int32, entry 0 stays 0
+    kv_indices: torch.Tensor  # [max_bs * max_context_len] int32
+    num_kv_splits: torch.Tensor  # [max_bs] int32
+    mid_o: torch.Tensor  # [max_bs, num_heads, MAX_KV_SPLITS, head_dim] float32
+    mid_lse: torch.Tensor  # [max_bs, num_heads, MAX_KV_SPLITS] float32
+
+    @property
+    def max_bs(self) -> int:
+        return self.num_kv_splits.shape[0]
+
+
 def _indptr(lens: torch.Tensor) -> torch.Tensor:
     indptr = torch.zeros(lens.shape[0] + 1, dtype=torch.int32, device=lens.device)
     indptr[1:] = torch.cumsum(lens, 0)
@@ -63,6 +84,7 @@ class TritonAttnBackend(AttentionBackend):
         super().__init__(runner)
         self._meta: _Metadata | None = None
         self._num_sms: int | None = None
+        self._graph: _GraphBuffers | None = None
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         device = batch.kv_pool.device
@@ -110,6 +132,53 @@ class TritonAttnBackend(AttentionBackend):
                 else 1
             )
         return self._num_sms
+
+    # ------------------------------------------------------------------ CUDA graphs
+    supports_cuda_graph = True
+
+    def init_cuda_graph_state(self, max_bs: int) -> None:
+        cfg, table = self.runner.model_config, self.runner.req_to_token_pool
+        device = self.runner.kv_pool.device
+        split_shape = (max_bs, cfg.num_heads, MAX_KV_SPLITS)
+        self._graph = _GraphBuffers(
+            kv_indptr=torch.zeros(max_bs + 1, dtype=torch.int32, device=device),
+            kv_indices=torch.zeros(
+                max_bs * table.max_context_len, dtype=torch.int32, device=device
+            ),
+            num_kv_splits=torch.ones(max_bs, dtype=torch.int32, device=device),
+            mid_o=torch.zeros((*split_shape, cfg.head_dim), dtype=torch.float32, device=device),
+            mid_lse=torch.zeros(split_shape, dtype=torch.float32, device=device),
+        )
+
+    def init_forward_metadata_capture(self, batch: ForwardBatch) -> None:
+        g, bs = self._graph, batch.batch_size
+        if g is None or bs > g.max_bs:
+            raise ValueError(
+                f"decode batch of {bs} rows is beyond the CUDA-graph buffers "
+                f"({'none' if g is None else g.max_bs}); call init_cuda_graph_state first"
+            )
+        self._meta = _Metadata(
+            g.kv_indptr[: bs + 1],
+            g.kv_indices,
+            num_kv_splits=g.num_kv_splits[:bs],
+            mid_o=g.mid_o[:bs],
+            mid_lse=g.mid_lse[:bs],
+        )
+        self.init_forward_metadata_replay(batch, bs)
+
+    def init_forward_metadata_replay(self, batch: ForwardBatch, num_real: int) -> None:
+        g, bs = self._graph, batch.batch_size
+        seq_lens = batch.seq_lens
+        g.kv_indptr[1 : bs + 1].copy_(torch.cumsum(seq_lens, 0))
+        table = batch.req_to_token_pool.req_to_token
+        fill_kv_indices(
+            table, batch.req_pool_indices, seq_lens, g.kv_indptr[: bs + 1], g.kv_indices
+        )
+        splits = num_kv_splits(
+            seq_lens[:num_real], batch.kv_pool.num_kv_heads, self._sm_count(batch), MAX_KV_SPLITS
+        )
+        g.num_kv_splits[:num_real].copy_(splits)
+        g.num_kv_splits[num_real:bs].fill_(1)
 
     # ------------------------------------------------------------------ per layer
     def save_kv(

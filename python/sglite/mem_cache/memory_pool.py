@@ -66,7 +66,10 @@ class ReqToTokenPool:
 
     def write(self, row: int, start: int, slots: torch.Tensor | np.ndarray | Sequence[int]) -> None:
         """Set `req_to_token[row, start:start + len(slots)] = slots`."""
-        slots = torch.as_tensor(np.asarray(slots), dtype=torch.int32)
+        if isinstance(slots, torch.Tensor):
+            slots = slots.to(dtype=torch.int32).reshape(-1)
+        else:
+            slots = torch.as_tensor(np.asarray(slots), dtype=torch.int32).reshape(-1)
         end = start + slots.numel()
         if end > self.max_context_len:
             raise ValueError(

@@ -3,7 +3,9 @@
 Start-up, in order: pick device and dtype, read the config, load the weights (packed for
 oneDNN on CPU), size the KV pool (`max_total_tokens`, or on CUDA `mem_fraction_static` of
 the GPU memory), create the tree core's `PageAllocator` over those slots, the
-`ReqToTokenPool`, and the attention backend.
+`ReqToTokenPool`, and the attention backend; on CUDA, last, capture the decode CUDA graphs
+(`cuda_graph_runner.py`; `disable_cuda_graph`, `cuda_graph_max_bs`, default
+min(160, max_running_requests)). On CPU there are no graphs (`NoCudaGraphs`).
 
 Per step the caller (the scheduler, or a test) allocates slots with `runner.allocator`,
 writes the request rows of `runner.req_to_token_pool`, builds a `ForwardBatch`
@@ -22,6 +24,11 @@ import torch
 
 from sglite.attention import create_attention_backend, default_backend
 from sglite.mem_cache.memory_pool import KVPool, ReqToTokenPool, kv_slots_for_budget
+from sglite.model_executor.cuda_graph_runner import (
+    CudaGraphRunner,
+    NoCudaGraphs,
+    default_cuda_graph_max_bs,
+)
 from sglite.model_executor.forward_batch import ForwardBatch
 from sglite.model_executor.sampler import Sampler, SamplingBatchInfo
 from sglite.models.loader import load_model, resolve_model_path
@@ -80,6 +87,8 @@ class ModelRunner:
         context_length: int | None = None,
         attention_backend: str | None = None,
         tree_core: str | None = None,
+        disable_cuda_graph: bool = False,
+        cuda_graph_max_bs: int | None = None,
     ) -> None:
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
@@ -98,6 +107,7 @@ class ModelRunner:
         self.attention_backend_name = attention_backend or default_backend(self.device.type)
         self.attn_backend = create_attention_backend(self.attention_backend_name, self)
         self.sampler = Sampler()
+        self.graph_runner = self._init_cuda_graphs(disable_cuda_graph, cuda_graph_max_bs)
 
     # ---------------------------------------------------------------- start-up
     def _resolve_config(self, context_length: int | None) -> ModelConfig:
@@ -171,12 +181,30 @@ class ModelRunner:
             self.max_running_requests,
         )
 
+    def _init_cuda_graphs(
+        self, disable: bool, max_bs: int | None
+    ) -> CudaGraphRunner | NoCudaGraphs:
+        if max_bs is not None and max_bs < 1:
+            raise ValueError(f"cuda_graph_max_bs must be >= 1, got {max_bs}")
+        if self.device.type != "cuda" or disable:
+            return NoCudaGraphs()
+        if not self.attn_backend.supports_cuda_graph:
+            logger.info(
+                "attention backend %s has no CUDA graph support; decode runs eagerly",
+                self.attention_backend_name,
+            )
+            return NoCudaGraphs()
+        return CudaGraphRunner(self, max_bs or default_cuda_graph_max_bs(self.max_running_requests))
+
     # ---------------------------------------------------------------- per step
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """float32 logits of the last token of each request `[B, vocab]`
-        (`[T, vocab]` for every token when `batch.return_all_logits`)."""
+        (`[T, vocab]` for every token when `batch.return_all_logits`). A decode batch on
+        CUDA replays a captured graph: its logits are valid until the next forward."""
         batch.attn_backend = self.attn_backend
         with torch.inference_mode():
+            if self.graph_runner.can_run(batch):
+                return self.graph_runner.replay(batch)
             self.attn_backend.init_forward_metadata(batch)
             return self.model(batch.input_ids, batch.positions, batch)
 

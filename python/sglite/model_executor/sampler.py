@@ -64,8 +64,10 @@ class SamplingBatchInfo:
         prompt_ids: Sequence[Sequence[int]] | None = None,
         eos_token_ids: Sequence[int] = (),
     ) -> SamplingBatchInfo:
-        """`output_ids[i]`: tokens request i generated so far (None: nothing yet).
-        `prompt_ids` is only read for repetition penalties."""
+        """`output_ids[i]`: tokens request i generated so far (None: nothing yet); only read
+        for penalties. `output_lens[i]`: how many tokens it generated so far (default: the
+        lengths of `output_ids`), read for `min_new_tokens` and seeds. `prompt_ids` is only
+        read for repetition penalties."""
         device = torch.device(device)
         bs = len(params)
         outputs = output_ids if output_ids is not None else [()] * bs

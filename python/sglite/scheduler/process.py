@@ -24,9 +24,9 @@ def build_scheduler(args: ServerArgs, send, send_control) -> tuple[Any, dict[str
     """Load the model and build a Scheduler over it; returns (scheduler, ready info)."""
     import sglite.core
     from sglite.model_executor.model_runner import ModelRunner
-    from sglite.server.tokenizer import load_tokenizer
     from sglite.scheduler.model_worker import ModelWorker
     from sglite.scheduler.scheduler import Scheduler
+    from sglite.server.tokenizer import load_tokenizer
 
     runner = ModelRunner(
         args.model_path,
@@ -39,6 +39,8 @@ def build_scheduler(args: ServerArgs, send, send_control) -> tuple[Any, dict[str
         context_length=args.context_length,
         attention_backend=args.attention_backend,
         tree_core=args.tree_core,
+        disable_cuda_graph=args.disable_cuda_graph,
+        cuda_graph_max_bs=args.cuda_graph_max_bs,
     )
     core = sglite.core.load(
         args.tree_core, page_size=args.page_size, eviction_policy=args.radix_eviction_policy

@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
 from typing import Any
 
 import numpy as np
@@ -33,7 +32,7 @@ from sglite.scheduler.output import OutputStreamer
 from sglite.scheduler.policy import SchedulePolicy
 from sglite.scheduler.prefill import PrefillManager
 from sglite.scheduler.req import Req, StopChecker
-from sglite.scheduler.worker import Worker, WorkerClient
+from sglite.scheduler.worker import Launched, Worker, WorkerClient
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +70,7 @@ class Scheduler:
         self.prefill = PrefillManager(self)
         self.decode = DecodeManager(self)
         self.future_of: dict[int, int] = {}  # id(req) -> future slot of its in-flight token
-        self.pending: tuple[ScheduleBatch, Future] | None = None  # overlap: launched, unprocessed
+        self.pending: tuple[ScheduleBatch, Launched] | None = None  # overlap: launched, unprocessed
         self.processed_tokens = 0
         self.counters = {
             "num_prefill_batches": 0, "num_decode_batches": 0, "num_chunks": 0,
@@ -186,7 +185,7 @@ class Scheduler:
             return batch
         return self.decode.get_batch()
 
-    def launch(self, batch: ScheduleBatch) -> Future:
+    def launch(self, batch: ScheduleBatch) -> Launched:
         reqs = batch.reqs
         n = len(reqs)
         slots = self.client.future_slots(n)

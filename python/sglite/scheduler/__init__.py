@@ -1,0 +1,1 @@
+"""The scheduler: requests, admission, batches, the loops, result processing."""

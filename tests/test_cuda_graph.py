@@ -1,0 +1,273 @@
+"""Decode CUDA graphs and the device-side token handoff of the overlap loop.
+
+CPU: the captured batch sizes and padding arithmetic; the graph runner's static buffers,
+padding and the triton backend's capture/replay metadata hooks, with each "graph" replayed
+as an eager run of the captured batch (Triton interpreter); the device future buffer's
+resolution logic (device gather, penalties, mixed batches) on CPU tensors.
+GPU (`gpu` marker, skipped without CUDA): graph replay equals eager for padded and exact
+batch sizes in fp32 and bf16, and the overlap loop gives the normal loop's greedy tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+import torch
+
+import sglite.core
+from fixtures.model_driver import Driver
+from sglite.config import ServerArgs
+from sglite.messages import GenerateReq
+from sglite.model_executor.cuda_graph_runner import (
+    CudaGraphRunner,
+    capture_batch_sizes,
+    default_cuda_graph_max_bs,
+    padded_batch_size,
+)
+from sglite.sampling_params import SamplingParams
+from sglite.scheduler.model_worker import DeviceFutureMap, ModelWorker
+from sglite.scheduler.scheduler import Scheduler
+from sglite.scheduler.worker import HostFutureMap
+
+CUDA = torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs CUDA")
+
+
+# ---------------------------------------------------------------- batch sizes (pure)
+
+
+@pytest.mark.parametrize(
+    "max_bs,expected",
+    [
+        (1, [1]),
+        (3, [1, 2, 4]),
+        (8, [1, 2, 4, 8]),
+        (9, [1, 2, 4, 8, 16]),
+        (20, [1, 2, 4, 8, 16, 24]),
+        (40, [1, 2, 4, 8, 16, 24, 32, 40]),
+    ],
+)
+def test_capture_batch_sizes(max_bs, expected):
+    assert capture_batch_sizes(max_bs) == expected
+
+
+@pytest.mark.parametrize("max_bs", [1, 2, 5, 8, 13, 64, 160, 161, 256])
+def test_every_batch_pads_to_the_smallest_captured_size(max_bs):
+    sizes = capture_batch_sizes(max_bs)
+    assert sizes == sorted(set(sizes)) and sizes[-1] >= max_bs and sizes[-1] - max_bs < 8
+    assert all(b - a <= 8 for a, b in zip(sizes, sizes[1:]))
+    for n in range(1, sizes[-1] + 1):
+        bs = padded_batch_size(n, sizes)
+        assert bs in sizes and bs >= n
+        assert all(s < n for s in sizes if s < bs)
+    assert padded_batch_size(0, sizes) is None
+    assert padded_batch_size(sizes[-1] + 1, sizes) is None
+
+
+def test_default_max_bs_and_validation():
+    assert default_cuda_graph_max_bs(4096) == 160
+    assert default_cuda_graph_max_bs(24) == 24
+    with pytest.raises(ValueError, match="cuda_graph_max_bs must be >= 1"):
+        capture_batch_sizes(0)
+
+
+# ---------------------------------------------------------------- graph runner (CPU)
+
+
+class _EagerGraph:
+    """Stands in for a CUDA graph on CPU: replay re-runs the captured batch eagerly, with the
+    attention metadata bound at capture (as a real graph keeps its buffers' addresses)."""
+
+    def __init__(self, owner: CudaGraphRunner, batch):
+        self.owner, self.batch = owner, batch
+        self.meta = owner.backend._meta
+        self.out = owner._run_model(batch).clone()
+
+    def replay(self) -> None:
+        self.owner.backend._meta = self.meta
+        self.out.copy_(self.owner._run_model(self.batch))
+
+
+class EagerGraphRunner(CudaGraphRunner):
+    def _capture_one(self, batch):
+        graph = _EagerGraph(self, batch)
+        return graph, graph.out
+
+
+def _eager_forward(runner, batch) -> torch.Tensor:
+    batch.attn_backend = runner.attn_backend
+    with torch.inference_mode():
+        runner.attn_backend.init_forward_metadata(batch)
+        return runner.model(batch.input_ids, batch.positions, batch).clone()
+
+
+def _decode_batch(drv: Driver, seqs, next_ids):
+    """Driver.decode without the forward: allocate, write the rows, build the batch."""
+    from sglite.model_executor.forward_batch import ForwardBatch
+
+    seq_lens = [len(s.ids) + 1 for s in seqs]
+    loc = drv.alloc.alloc_decode(seq_lens, [s.slots[-1] for s in seqs])
+    for s, t, slot in zip(seqs, next_ids, loc.tolist()):
+        drv.table.write(s.row, len(s.ids), [slot])
+        s.slots.append(slot)
+        s.ids.append(t)
+    return ForwardBatch.decode(
+        input_ids=next_ids, seq_lens=seq_lens, req_pool_indices=[s.row for s in seqs],
+        out_cache_loc=loc, req_to_token_pool=drv.table, kv_pool=drv.runner.kv_pool,
+    )  # fmt: skip
+
+
+def _compare_graph_and_eager(runner, subsets, atol, check_tokens=True):
+    """Prefill ragged prompts, then decode steps over `subsets` (request counts) where each
+    step runs once eagerly and once through the graph runner; returns the replay count."""
+    rng = random.Random(0)
+    vocab = runner.model_config.vocab_size
+    prompts = [
+        [rng.randrange(3, vocab) for _ in range(rng.randrange(2, 40))] for _ in range(max(subsets))
+    ]
+    drv = Driver(runner)
+    seqs = [drv.new_seq() for _ in prompts]
+    next_ids = drv.extend(seqs, prompts).argmax(-1).tolist()
+    start = runner.graph_runner.num_replays
+    pool = runner.kv_pool
+    for n in subsets:
+        batch = _decode_batch(drv, seqs[:n], next_ids[:n])
+        eager = _eager_forward(runner, batch)
+        kv_eager = [b.clone() for b in pool.k_buffer + pool.v_buffer]
+        assert runner.graph_runner.can_run(batch)
+        graph = runner.forward(batch).clone()
+        torch.testing.assert_close(graph, eager, atol=atol, rtol=atol)
+        # The graph wrote the same K/V at the real slots, and its padding rows nothing else.
+        for a, b in zip(kv_eager, pool.k_buffer + pool.v_buffer):
+            torch.testing.assert_close(b[1:].float(), a[1:].float(), atol=atol, rtol=atol)
+        if check_tokens:
+            assert graph.argmax(-1).tolist() == eager.argmax(-1).tolist()
+        next_ids[:n] = graph.argmax(-1).tolist()
+    return runner.graph_runner.num_replays - start
+
+
+def test_padded_replay_matches_eager_cpu(tiny_runner):
+    """Static buffers, padding rows and the triton metadata hooks, replayed eagerly on CPU."""
+    from sglite_kernels import interpreted
+
+    if not interpreted():
+        pytest.skip("the CPU triton backend needs Triton's interpreter (off: SGL_TEST_GPU=1)")
+    runner = tiny_runner("qwen3", attention_backend="triton")
+    runner.graph_runner = EagerGraphRunner(runner, 8)
+    assert runner.graph_runner.batch_sizes == [1, 2, 4, 8]
+    replays = _compare_graph_and_eager(runner, [5, 3, 8, 1, 2, 7], atol=1e-5)
+    assert replays == 6
+    # Above the largest captured size the runner declines (the forward runs eagerly).
+    nine = dataclasses.replace(runner.graph_runner._static_batch(8), seq_lens_cpu=[1] * 9)
+    assert not runner.graph_runner.can_run(nine)
+
+
+# ---------------------------------------------------------------- device future buffer
+
+
+def _workload(vocab: int, n: int = 12):
+    rng = random.Random(1)
+    reqs = []
+    for i in range(n):
+        prompt = [rng.randrange(3, vocab) for _ in range(rng.randrange(5, 60))]
+        penalties = {"frequency_penalty": 0.7, "repetition_penalty": 1.3} if i % 4 == 1 else {}
+        sp = SamplingParams(max_new_tokens=rng.randrange(4, 24), temperature=0, **penalties)
+        reqs.append((f"r{i}", prompt, sp))
+    return reqs
+
+
+def _run_scheduler(runner, reqs, *, overlap: bool, worker: ModelWorker | None = None):
+    # At most 4 running: a request admitted when another finishes comes in a mixed batch
+    # right after a decode batch, so its decode rows reference tokens still in flight.
+    args = ServerArgs(max_total_tokens=runner.max_total_num_tokens, chunked_prefill_size=32,
+                      enable_mixed_chunk=True, max_running_requests=4,
+                      disable_overlap_schedule=not overlap)  # fmt: skip
+    outputs: list = []
+    sched = Scheduler(
+        args, worker or ModelWorker(runner), core=sglite.core.load("python"),
+        allocator=runner.allocator, req_to_token_pool=runner.req_to_token_pool,
+        context_length=runner.model_config.context_length, eos_token_ids=set(),
+        decode_tail=lambda ids: "", send=outputs.append,
+    )  # fmt: skip
+    for rid, prompt, sp in reqs:
+        sched.add_request(GenerateReq(rid, prompt, sp))
+    sched.run_until_idle()
+    sched.client.shutdown()
+    got: dict[str, list[int]] = {}
+    for msg in outputs:
+        for rid, ids in zip(msg.rids, msg.output_ids):
+            got.setdefault(rid, []).extend(ids)
+    assert [len(got[rid]) for rid, _, _ in reqs] == [sp.max_new_tokens for _, _, sp in reqs]
+    return got, sched
+
+
+class _CountingDeviceMap(DeviceFutureMap):
+    def __init__(self, device, size):
+        super().__init__(device, size)
+        self.resolved = {"decode": 0, "mixed": 0, "extend": 0}
+
+    def run(self, worker, fi):
+        if (fi.input_ids < 0).any():
+            self.resolved[fi.mode.value] += 1
+        return super().run(worker, fi)
+
+
+class _DeviceMapWorker(ModelWorker):
+    """ModelWorker with the device future buffer even on CPU (no streams there)."""
+
+    def future_map(self, size: int):
+        self.map = _CountingDeviceMap(self.runner.device, size)
+        return self.map
+
+
+def test_device_future_map_matches_host_on_cpu(tiny_runner):
+    """Future references resolved by a device gather (decode and mixed batches, penalties
+    through the host path) give the host buffer's greedy tokens, in both loops."""
+    runner = tiny_runner("llama")
+    reqs = _workload(runner.model_config.vocab_size)
+    expected, sched = _run_scheduler(runner, reqs, overlap=True)
+    assert isinstance(sched.client.futures, HostFutureMap)
+    for overlap in (True, False):
+        runner = tiny_runner("llama")
+        worker = _DeviceMapWorker(runner)
+        got, sched = _run_scheduler(runner, reqs, overlap=overlap, worker=worker)
+        assert got == expected
+        if overlap:
+            assert worker.map.resolved["decode"] > 0 and worker.map.resolved["mixed"] > 0
+
+
+# ---------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize(
+    "dtype,page_size,atol", [("float32", 1, 1e-4), ("bfloat16", 16, 1e-1)], ids=["fp32", "bf16"]
+)
+def test_graph_replay_matches_eager_cuda(tiny_runner, dtype, page_size, atol):
+    runner = tiny_runner("qwen3", page_size=page_size, device="cuda", dtype=dtype,
+                         attention_backend="triton", cuda_graph_max_bs=16)  # fmt: skip
+    assert isinstance(runner.graph_runner, CudaGraphRunner)
+    assert runner.graph_runner.batch_sizes == [1, 2, 4, 8, 16]
+    subsets = [5, 3, 16, 1, 9, 2, 12, 8]  # padded to 8, 4, 16, 1, 16, 2, 16, 8
+    replays = _compare_graph_and_eager(runner, subsets, atol, check_tokens=dtype == "float32")
+    assert replays == len(subsets)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_overlap_loop_matches_normal_loop_cuda(tiny_runner):
+    """On CUDA the overlap loop (forward stream, device future buffer, pinned copies) gives
+    the normal loop's greedy tokens; decode runs through the graphs."""
+    kw = dict(device="cuda", dtype="float32", attention_backend="triton", cuda_graph_max_bs=16)
+    results = {}
+    for overlap in (False, True):
+        runner = tiny_runner("qwen3", **kw)
+        reqs = _workload(runner.model_config.vocab_size, n=20)
+        got, sched = _run_scheduler(runner, reqs, overlap=overlap)
+        assert isinstance(sched.client.futures, DeviceFutureMap)
+        assert runner.graph_runner.num_replays > 0
+        results[overlap] = got
+    assert results[True] == results[False]
