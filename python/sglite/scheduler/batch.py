@@ -12,7 +12,7 @@ from its future buffer, where every launched batch stores its sampled tokens.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 
 import numpy as np
 
@@ -20,7 +20,7 @@ from sglite.sampling_params import SamplingParams
 from sglite.scheduler.req import Req
 
 
-class Mode(str, Enum):
+class Mode(StrEnum):
     EXTEND = "extend"
     DECODE = "decode"
     MIXED = "mixed"
