@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
 from sglite.bench_one_batch import run_one_batch
 from sglite.model_executor.model_runner import ModelRunner
 
@@ -102,6 +103,8 @@ def main() -> None:
             f"{r['batch_size']:>5} | {r['sglite_decode_tok_s']:>12.1f} | "
             f"{r['transformers_decode_tok_s']:>18.1f} | {r['ratio']:>5.2f} | {target}"
         )
+    if os.getloadavg()[0] > 0.5 * (os.cpu_count() or 1):
+        print(f"warning: load average {os.getloadavg()[0]:.1f}: other processes share the CPU")
     summary = ", ".join(f"bs{r['batch_size']} {r['ratio']:.2f}x" for r in rows)
     print(f"bench_model_cpu: decode speed-up over transformers: {summary}")
     out = Path(args.out)

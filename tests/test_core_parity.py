@@ -10,6 +10,7 @@ running requests (matched, locked, allocated, decoded, then inserted with duplic
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -324,10 +325,11 @@ class TreeCoreParity(RuleBasedStateMachine):
         node = data.draw(st.sampled_from(self.seen_ids))
         assert isinstance(self.tree.call("unlock", node), Failed)  # RuntimeError, or stale
 
-    @rule(data=st.data())
-    def dfs_weight_order(self, data: st.DataObject) -> None:
-        ids = data.draw(st.lists(st.sampled_from(self.seen_ids), max_size=8))
-        self.tree.call("dfs_weight_order", ids)
+    @rule(data=st.data(), with_stale=st.booleans())
+    def dfs_weight_order(self, data: st.DataObject, with_stale: bool) -> None:
+        live = [int(i) for i in re.findall(r"\[(\d+)\]", self.tree.py.pretty_print())]
+        ids = data.draw(st.lists(st.sampled_from(self.seen_ids if with_stale else live), max_size=12))
+        self.tree.call("dfs_weight_order", np.array(ids, dtype=np.int64) if with_stale else ids)
 
     @precondition(lambda self: not self.requests and not self.extra_locks)
     @rule(dice=st.integers(0, 7))

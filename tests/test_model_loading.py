@@ -8,6 +8,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
+
 from fixtures.model_driver import Driver
 from fixtures.tiny_models import rewrite_config_as_v4
 from sglite.mem_cache.memory_pool import KVPool, ReqToTokenPool

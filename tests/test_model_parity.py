@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from fixtures.model_driver import Driver, fragment_allocator, hf_greedy, is_scrambled
 
 ARCHS = ("llama", "qwen2", "qwen3")
@@ -158,8 +159,9 @@ def test_mixed_batch_equals_separate_runs(page_size, runners):
     ids=["llama3", "linear"],
 )
 def test_rope_scaling_matches_transformers(rope_scaling, tiny_model_dir):
-    from sglite.model_executor.model_runner import ModelRunner
     from transformers import AutoModelForCausalLM
+
+    from sglite.model_executor.model_runner import ModelRunner
 
     path = tiny_model_dir("llama", rope_scaling=rope_scaling)
     runner = ModelRunner(path, device="cpu", max_total_tokens=512)

@@ -6,6 +6,7 @@ import time
 
 import pytest
 import torch
+
 from fixtures.model_driver import Driver, fragment_allocator
 
 PROMPTS = [
@@ -74,9 +75,10 @@ def test_greedy_batch_matches_transformers_teacher_forced(runner, tokenizer, hf_
 def test_conversion_matches_transformers_gguf_loader(smollm2_dir):
     """Our dequantized, un-permuted tensors equal transformers' own GGUF reader's."""
     from safetensors.torch import load_file
-    from sglite.models import gguf
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    from sglite.models import gguf
 
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(smollm2_dir))
@@ -95,8 +97,9 @@ def test_conversion_matches_transformers_gguf_loader(smollm2_dir):
 
 
 def test_tokenizer_matches_transformers_gguf_tokenizer(smollm2_dir, tokenizer):
-    from sglite.models import gguf
     from transformers import AutoTokenizer
+
+    from sglite.models import gguf
 
     path = gguf.smollm2_gguf_path()
     ref = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)

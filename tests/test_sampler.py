@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from sglite.model_executor.sampler import Sampler, SamplingBatchInfo
 from sglite.sampling_params import SamplingParams
 

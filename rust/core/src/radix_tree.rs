@@ -12,7 +12,8 @@
 //!   incrementally. hit_count: 1 at creation, +1 per insert walking through; priority: an insert
 //!   raises every node it walks to max(old, priority).
 //!
-//! Tokens and slots are stored as u32 (callers convert with `crate::to_u32`).
+//! Tokens and slots are stored as u32 (callers convert with `crate::to_u32`); a lookup may pass
+//! `crate::NO_TOKEN` for an id no insert could store: it never matches.
 
 mod children;
 mod inspect;
@@ -109,6 +110,9 @@ impl RadixTree {
     ) -> CoreResult<(usize, u64)> {
         if tokens.len() != slots.len() {
             return bad(format!("tokens and slots differ in length ({} vs {})", tokens.len(), slots.len()));
+        }
+        if tokens.contains(&crate::NO_TOKEN) {
+            return bad(crate::out_of_u32("tokens", crate::NO_TOKEN));
         }
         let key = self.page_aligned(tokens);
         let ns = self.namespaces.lookup(extra_key);

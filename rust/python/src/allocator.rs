@@ -4,7 +4,7 @@ use numpy::PyArray1;
 use pyo3::prelude::*;
 use tree_core::PageAllocator;
 
-use crate::convert::{as_size, core_err, index_vec, value_error, Arg};
+use crate::convert::{as_size, core_err, index_ints, value_error, Arg};
 
 /// Free-page bookkeeping of the KV pool. Same contract as sglite.core.page_allocator.
 #[pyclass(name = "PageAllocator", module = "sglite._core")]
@@ -56,8 +56,8 @@ impl PyPageAllocator {
     }
 
     fn free(&mut self, slots: &Bound<'_, PyAny>) -> PyResult<()> {
-        let slots: Vec<i64> = index_vec(slots, "slots")?;
-        self.inner.free(&slots).map_err(core_err)
+        let slots = index_ints(slots, "slots")?;
+        self.inner.free(slots.as_slice()).map_err(core_err)
     }
 
     fn free_group_begin(&mut self) -> PyResult<()> {
@@ -75,10 +75,13 @@ impl PyPageAllocator {
         seq_lens: &Bound<'py, PyAny>,
         last_locs: &Bound<'py, PyAny>,
     ) -> PyResult<Option<Bound<'py, PyArray1<i64>>>> {
-        let prefix: Vec<i64> = index_vec(prefix_lens, "prefix_lens")?;
-        let seq: Vec<i64> = index_vec(seq_lens, "seq_lens")?;
-        let last: Vec<i64> = index_vec(last_locs, "last_locs")?;
-        let slots = self.inner.alloc_extend(&prefix, &seq, &last).map_err(core_err)?;
+        let prefix = index_ints(prefix_lens, "prefix_lens")?;
+        let seq = index_ints(seq_lens, "seq_lens")?;
+        let last = index_ints(last_locs, "last_locs")?;
+        let slots = self
+            .inner
+            .alloc_extend(prefix.as_slice(), seq.as_slice(), last.as_slice())
+            .map_err(core_err)?;
         Ok(array_or_none(py, slots))
     }
 
@@ -88,12 +91,12 @@ impl PyPageAllocator {
         seq_lens: &Bound<'py, PyAny>,
         last_locs: &Bound<'py, PyAny>,
     ) -> PyResult<Option<Bound<'py, PyArray1<i64>>>> {
-        let seq: Vec<i64> = index_vec(seq_lens, "seq_lens")?;
-        if seq.iter().any(|&s| s < 1) {
+        let seq = index_ints(seq_lens, "seq_lens")?;
+        if seq.as_slice().iter().any(|&s| s < 1) {
             return Err(value_error("seq_lens of alloc_decode count the new token and must be >= 1"));
         }
-        let last: Vec<i64> = index_vec(last_locs, "last_locs")?;
-        let slots = self.inner.alloc_decode(&seq, &last).map_err(core_err)?;
+        let last = index_ints(last_locs, "last_locs")?;
+        let slots = self.inner.alloc_decode(seq.as_slice(), last.as_slice()).map_err(core_err)?;
         Ok(array_or_none(py, slots))
     }
 

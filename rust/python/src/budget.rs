@@ -4,7 +4,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyFloat;
 use tree_core::{AddReqResult, PrefillBudget};
 
-use crate::convert::{as_size, core_err, index_vec, value_error, Arg};
+use crate::convert::{as_size, core_err, index_ints, value_error, Arg};
 
 /// Verdicts of the admission budget (plain ints, as in the Python twin).
 #[pyclass(name = "AddReqResult", module = "sglite._core", frozen)]
@@ -85,7 +85,8 @@ impl PyPrefillBudget {
         ignore_eos: &Bound<'_, PyAny>,
         new_token_ratio: &Bound<'_, PyAny>,
     ) -> PyResult<i128> {
-        let remaining: Vec<i64> = index_vec(remaining_new_tokens, "remaining_new_tokens")?;
+        let remaining = index_ints(remaining_new_tokens, "remaining_new_tokens")?;
+        let remaining = remaining.as_slice();
         let flags = ignore_eos
             .try_iter()?
             .map(|f| f?.is_truthy())
@@ -100,7 +101,7 @@ impl PyPrefillBudget {
         // float(x), like the Python twin (accepts ints, numpy scalars, numeric strings).
         let py = new_token_ratio.py();
         let ratio: f64 = py.get_type::<PyFloat>().call1((new_token_ratio,))?.extract()?;
-        self.inner.reserve_running(&remaining, &flags, ratio).map_err(core_err)
+        self.inner.reserve_running(remaining, &flags, ratio).map_err(core_err)
     }
 
     /// The verdict for the next candidate: CONTINUE, NO_TOKEN or OTHER.

@@ -5,7 +5,8 @@
 //! objects); floats, bools, strings and non-1-D shapes raise ValueError.
 
 use numpy::{
-    PyArray1, PyArrayDescrMethods, PyArrayMethods, PyUntypedArray, PyUntypedArrayMethods,
+    PyArray1, PyArrayDescrMethods, PyArrayMethods, PyReadonlyArray1, PyUntypedArray,
+    PyUntypedArrayMethods,
 };
 use pyo3::exceptions::{PyOverflowError, PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
@@ -84,33 +85,56 @@ pub fn extra_key<'a>(ob: Option<&'a Bound<'_, PyAny>>) -> PyResult<Option<&'a st
     }
 }
 
-/// How one integer becomes an element of the output buffer (or why it cannot).
-pub trait IndexValue: Copy + numpy::Element {
-    fn from_i64(v: i64, name: &str) -> PyResult<Self>;
+/// Integer buffer read from Python: a borrowed contiguous int64 array, or a converted copy.
+pub enum Ints<'py> {
+    Borrowed(PyReadonlyArray1<'py, i64>),
+    Owned(Vec<i64>),
 }
 
-impl IndexValue for i64 {
-    #[inline]
-    fn from_i64(v: i64, _name: &str) -> PyResult<Self> {
-        Ok(v)
+impl Ints<'_> {
+    pub fn as_slice(&self) -> &[i64] {
+        match self {
+            Ints::Borrowed(a) => a.as_slice().unwrap_or(&[]),
+            Ints::Owned(v) => v,
+        }
     }
 }
 
-impl IndexValue for u32 {
-    #[inline]
-    fn from_i64(v: i64, name: &str) -> PyResult<Self> {
-        u32::try_from(v).map_err(|_| value_error(tree_core::out_of_u32(name, v)))
+/// Token ids and slots are stored as u32 below this bound (`tree_core::NO_TOKEN`).
+const U32_BOUND: u64 = tree_core::NO_TOKEN as u64;
+
+/// Token ids or slots for insertion: every value must fit the tree's u32 storage.
+pub fn u32_values(ob: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<u32>> {
+    let ints = index_ints(ob, name)?;
+    let values = ints.as_slice();
+    let out = narrow(values);
+    if out.contains(&tree_core::NO_TOKEN) {
+        let bad = values.iter().find(|&&v| v as u64 >= U32_BOUND).copied().unwrap_or(-1);
+        return Err(value_error(tree_core::out_of_u32(name, bad)));
     }
+    Ok(out)
 }
 
-/// A list of ints or a 1-D integer array as a Vec<T>, else ValueError.
-pub fn index_vec<T: IndexValue>(ob: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<T>> {
+/// Token ids for a lookup: a value no insert could have stored becomes u32::MAX, which never
+/// matches, so a lookup behaves like the Python twin's for any int64.
+pub fn u32_lookup(ob: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<u32>> {
+    Ok(narrow(index_ints(ob, name)?.as_slice()))
+}
+
+#[inline]
+fn narrow(values: &[i64]) -> Vec<u32> {
+    values.iter().map(|&v| if (v as u64) < U32_BOUND { v as u32 } else { tree_core::NO_TOKEN }).collect()
+}
+
+/// A list of ints or a 1-D integer array, else ValueError. A contiguous native int64 array is
+/// borrowed, not copied.
+pub fn index_ints<'py>(ob: &Bound<'py, PyAny>, name: &str) -> PyResult<Ints<'py>> {
     if let Ok(arr) = ob.downcast::<PyUntypedArray>() {
         return from_array(arr, name);
     }
     if let Ok(list) = ob.downcast::<PyList>() {
-        if let Some(v) = from_int_list(list, name)? {
-            return Ok(v);
+        if let Some(v) = from_int_list(list) {
+            return Ok(Ints::Owned(v));
         }
     }
     if ob.is_instance_of::<PyString>() || ob.is_instance_of::<PyBytes>() || !ob.hasattr("__len__")? {
@@ -120,32 +144,32 @@ pub fn index_vec<T: IndexValue>(ob: &Bound<'_, PyAny>, name: &str) -> PyResult<V
     // exactly like the Python twin.
     let py = ob.py();
     let arr = py.import("numpy")?.call_method1("asarray", (ob,)).map_err(|e| {
-        if e.is_instance_of::<PyValueError>(py) || e.is_instance_of::<PyOverflowError>(py) || e.is_instance_of::<PyTypeError>(py) {
+        if e.is_instance_of::<PyValueError>(py)
+            || e.is_instance_of::<PyOverflowError>(py)
+            || e.is_instance_of::<PyTypeError>(py)
+        {
             value_error(format!("{name} must be a list of ints or a 1-D integer array ({e})"))
         } else {
             e
         }
     })?;
     let arr = arr.downcast::<PyUntypedArray>()?;
-    if arr.len() == 0 || arr.shape().contains(&0) {
-        return Ok(Vec::new());
+    if arr.shape().contains(&0) {
+        return Ok(Ints::Owned(Vec::new()));
     }
     from_array(arr, name)
 }
 
 /// The fast path for a list of plain ints; None when some item needs numpy's rules.
-fn from_int_list<T: IndexValue>(list: &Bound<'_, PyList>, name: &str) -> PyResult<Option<Vec<T>>> {
+fn from_int_list(list: &Bound<'_, PyList>) -> Option<Vec<i64>> {
     let mut out = Vec::with_capacity(list.len());
     for item in list.iter() {
         if !item.is_exact_instance_of::<PyInt>() {
-            return Ok(None);
+            return None;
         }
-        match item.extract::<i64>() {
-            Ok(v) => out.push(T::from_i64(v, name)?),
-            Err(_) => return Ok(None),
-        }
+        out.push(item.extract::<i64>().ok()?);
     }
-    Ok(Some(out))
+    Some(out)
 }
 
 fn shape_str(shape: &[usize]) -> String {
@@ -155,54 +179,45 @@ fn shape_str(shape: &[usize]) -> String {
     }
 }
 
-fn from_array<T: IndexValue>(arr: &Bound<'_, PyUntypedArray>, name: &str) -> PyResult<Vec<T>> {
+fn from_array<'py>(arr: &Bound<'py, PyUntypedArray>, name: &str) -> PyResult<Ints<'py>> {
     if arr.ndim() != 1 {
-        return Err(value_error(format!("{name} must be 1-D, got an array of shape {}", shape_str(arr.shape()))));
+        return Err(value_error(format!(
+            "{name} must be 1-D, got an array of shape {}",
+            shape_str(arr.shape())
+        )));
     }
     let dtype = arr.dtype();
     if !matches!(dtype.kind(), b'i' | b'u') {
         return Err(value_error(format!("{name} must hold integers, got dtype {dtype}")));
     }
-    macro_rules! read_as {
+    if let Ok(a) = arr.downcast::<PyArray1<i64>>() {
+        let ro = a.try_readonly().map_err(|e| value_error(format!("{name}: {e}")))?;
+        if ro.as_slice().is_ok() {
+            return Ok(Ints::Borrowed(ro));
+        }
+        return Ok(Ints::Owned(ro.as_array().iter().copied().collect()));
+    }
+    macro_rules! widen {
         ($($t:ty),*) => {$(
             if let Ok(a) = arr.downcast::<PyArray1<$t>>() {
-                return read_typed::<$t, T>(a, name);
+                let ro = a.try_readonly().map_err(|e| value_error(format!("{name}: {e}")))?;
+                let view = ro.as_array();
+                let mut out = Vec::with_capacity(view.len());
+                for &v in view.iter() {
+                    match i64::try_from(v) {
+                        Ok(x) => out.push(x),
+                        Err(_) => return Err(value_error(format!("{name} has values that do not fit in int64"))),
+                    }
+                }
+                return Ok(Ints::Owned(out));
             }
         )*};
     }
-    read_as!(i64, i32, u32, u64, i16, u16, i8, u8);
+    widen!(i32, u32, u64, i16, u16, i8, u8);
     // A non-native byte order: let numpy convert it.
     let native = arr.call_method1("astype", ("int64",))?;
     match native.downcast::<PyArray1<i64>>() {
-        Ok(a) => read_typed::<i64, T>(a, name),
+        Ok(a) => Ok(Ints::Owned(a.try_readonly().map_err(|e| value_error(format!("{name}: {e}")))?.as_array().to_vec())),
         Err(_) => Err(value_error(format!("{name} has an unsupported integer dtype {dtype}"))),
-    }
-}
-
-trait AsI64: Copy + numpy::Element {
-    fn to_i64(self) -> Option<i64>;
-}
-
-macro_rules! as_i64 {
-    ($($t:ty),*) => {$(
-        impl AsI64 for $t {
-            #[inline]
-            fn to_i64(self) -> Option<i64> {
-                i64::try_from(self).ok()
-            }
-        }
-    )*};
-}
-as_i64!(i64, i32, u32, u64, i16, u16, i8, u8);
-
-fn read_typed<S: AsI64, T: IndexValue>(arr: &Bound<'_, PyArray1<S>>, name: &str) -> PyResult<Vec<T>> {
-    let ro = arr.try_readonly().map_err(|e| value_error(format!("{name}: {e}")))?;
-    let convert = |v: S| match v.to_i64() {
-        Some(x) => T::from_i64(x, name),
-        None => Err(value_error(format!("{name} has values that do not fit in int64"))),
-    };
-    match ro.as_slice() {
-        Ok(slice) => slice.iter().map(|&v| convert(v)).collect(),
-        Err(_) => ro.as_array().iter().map(|&v| convert(v)).collect(),
     }
 }

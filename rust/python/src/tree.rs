@@ -4,7 +4,7 @@ use numpy::PyArray1;
 use pyo3::prelude::*;
 use tree_core::{EvictionPolicy, RadixTree};
 
-use crate::convert::{as_int, as_size, core_err, index_vec, value_error, Arg};
+use crate::convert::{as_int, as_size, core_err, u32_lookup, u32_values, value_error, Arg};
 
 /// Calls on at least this many tokens release the GIL while they run.
 const GIL_FREE_TOKENS: usize = 4096;
@@ -73,7 +73,7 @@ impl PyRadixTree {
         tokens: &Bound<'py, PyAny>,
         extra_key: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<(Bound<'py, PyArray1<i64>>, u64)> {
-        let tokens: Vec<u32> = index_vec(tokens, "tokens")?;
+        let tokens = u32_lookup(tokens, "tokens")?;
         let ns = crate::convert::extra_key(extra_key)?;
         let tree = &mut self.tree;
         let (slots, node_id) = if tokens.len() >= GIL_FREE_TOKENS {
@@ -94,8 +94,8 @@ impl PyRadixTree {
         extra_key: Option<&Bound<'_, PyAny>>,
         priority: Arg<'_>,
     ) -> PyResult<(usize, u64)> {
-        let tokens: Vec<u32> = index_vec(tokens, "tokens")?;
-        let slots: Vec<u32> = index_vec(slots, "slots")?;
+        let tokens = u32_values(tokens, "tokens")?;
+        let slots = u32_values(slots, "slots")?;
         if tokens.len() != slots.len() {
             return Err(value_error(format!(
                 "tokens and slots differ in length ({} vs {})",
