@@ -19,9 +19,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from fixtures.sched import TablePool  # noqa: E402
-
 import sglite.core  # noqa: E402
+from fixtures.sched import TablePool  # noqa: E402
 from sglite.config import ServerArgs  # noqa: E402
 from sglite.messages import GenerateReq  # noqa: E402
 from sglite.sampling_params import SamplingParams  # noqa: E402
@@ -34,9 +33,14 @@ PROMPT_LEN = (200, 1000)
 
 def build(core_name: str, page_size: int, max_running: int) -> Scheduler:
     core = sglite.core.load(core_name)
-    args = ServerArgs(page_size=page_size, max_total_tokens=TOTAL_TOKENS,
-                      max_running_requests=max_running, disable_overlap_schedule=True,
-                      max_prefill_tokens=1 << 20, chunked_prefill_size=-1)
+    args = ServerArgs(
+        page_size=page_size,
+        max_total_tokens=TOTAL_TOKENS,
+        max_running_requests=max_running,
+        disable_overlap_schedule=True,
+        max_prefill_tokens=1 << 20,
+        chunked_prefill_size=-1,
+    )
     return Scheduler(
         args, NullWorker(32000), core=core,
         allocator=core.PageAllocator(TOTAL_TOKENS, page_size),
@@ -89,8 +93,10 @@ def main() -> None:
     rows = [bench(c, ps, n, a.steps) for c in cores for ps in (1, 16) for n in (64, 256)]
     print(f"{'core':<7}{'page':>5}{'running':>9}{'us/decode step':>16}{'us/admitted req':>17}")
     for r in rows:
-        print(f"{r['core']:<7}{r['page_size']:>5}{r['running']:>9}"
-              f"{r['us_per_decode_step']:>16.1f}{r['us_per_admitted_req']:>17.1f}")
+        print(
+            f"{r['core']:<7}{r['page_size']:>5}{r['running']:>9}"
+            f"{r['us_per_decode_step']:>16.1f}{r['us_per_admitted_req']:>17.1f}"
+        )
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(rows, indent=2))
 

@@ -13,7 +13,9 @@ def test_constants(core):
 
 def test_charge_is_paged_extend_plus_page_plus_max_new(core):
     b = core.PrefillBudget(16, rem_input_tokens=8192)
-    ok, state, granted = b.add_req(available=10_000, prefix_len=0, extend_len=20, max_new_tokens=100)
+    ok, state, granted = b.add_req(
+        available=10_000, prefix_len=0, extend_len=20, max_new_tokens=100
+    )
     assert ok and granted == 20 and state == core.AddReqResult.CONTINUE
     assert b.total_offset == 32 + 16 + 100
     assert b.current_offset == 32 + 16

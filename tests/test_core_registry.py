@@ -35,7 +35,12 @@ def test_default_is_python(monkeypatch):
     backend = core_registry.load()
     assert backend.name == "python"
     info = core_registry.describe()
-    assert info == {"backend": "python", "requested": "python", "reason": None, "version": __version__}
+    assert info == {
+        "backend": "python",
+        "requested": "python",
+        "reason": None,
+        "version": __version__,
+    }
 
 
 def test_unknown_value_is_a_clear_error(monkeypatch):

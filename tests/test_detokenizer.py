@@ -8,6 +8,7 @@ import random
 
 import pytest
 import zmq
+
 from fixtures.serving import build_tiny_tokenizer
 from sglite.detokenizer import (
     DetokenizerManager,
@@ -87,8 +88,13 @@ def test_unfinished_stream_never_emits_replacement_chars(tokenizer, decode):
 def test_context_ids_fix_spacing_but_are_not_emitted(tokenizer, decode):
     prompt = tokenizer.encode("The capital of France is")
     out = tokenizer.encode(" Paris. The capital")
-    deltas = run_chunks(decode, out, [1] * len(out), context=prompt[-5:],
-                        reason={"type": "length", "length": len(out)})
+    deltas = run_chunks(
+        decode,
+        out,
+        [1] * len(out),
+        context=prompt[-5:],
+        reason={"type": "length", "length": len(out)},
+    )
     assert "".join(deltas) == " Paris. The capital"
 
 
@@ -115,8 +121,9 @@ def test_stop_string_trimmed_when_streamed(tokenizer, decode, stop):
     reason = {"type": "stop", "matched": stop}
     streamed = run_chunks(decode, ids, [1] * len(ids), reason=reason, stop_strs=[stop, "zzz"])
     assert "".join(streamed) == text[: text.index(stop)]
-    kept = run_chunks(decode, ids, [1] * len(ids), reason=reason, stop_strs=[stop],
-                      no_stop_trim=True)
+    kept = run_chunks(
+        decode, ids, [1] * len(ids), reason=reason, stop_strs=[stop], no_stop_trim=True
+    )
     assert "".join(kept) == full(tokenizer, ids)
 
 
@@ -154,8 +161,9 @@ def test_matched_stop_token_dropped(tokenizer, decode):
     reason = {"type": "stop", "matched": eos}
     shown = run_chunks(decode, ids, [1] * len(ids), reason=reason, skip_special_tokens=False)
     assert "".join(shown) == "Hi there"
-    kept = run_chunks(decode, ids, [1] * len(ids), reason=reason, skip_special_tokens=False,
-                      no_stop_trim=True)
+    kept = run_chunks(
+        decode, ids, [1] * len(ids), reason=reason, skip_special_tokens=False, no_stop_trim=True
+    )
     assert "".join(kept) == "Hi there<|im_end|>"
 
 
@@ -170,8 +178,17 @@ def test_skip_special_tokens(tokenizer, decode):
 
 def _batch(rids, outs, ctx, reasons, **kw):
     n = len(rids)
-    return BatchTokenOutput(rids, outs, ctx, reasons, [3] * n, [len(o) for o in outs], [0] * n,
-                            kw.get("skip", [True] * n), kw.get("no_trim", [False] * n))
+    return BatchTokenOutput(
+        rids,
+        outs,
+        ctx,
+        reasons,
+        [3] * n,
+        [len(o) for o in outs],
+        [0] * n,
+        kw.get("skip", [True] * n),
+        kw.get("no_trim", [False] * n),
+    )
 
 
 def test_manager_uses_stop_strs_when_the_scheduler_sends_them(tokenizer, decode):
@@ -197,8 +214,9 @@ def test_manager_tracks_requests_independently(tokenizer, decode):
             if k < len(ids):
                 rids.append(rid)
                 outs.append([ids[k]])
-                reasons.append({"type": "length", "length": len(ids)} if k == len(ids) - 1
-                               else None)
+                reasons.append(
+                    {"type": "length", "length": len(ids)} if k == len(ids) - 1 else None
+                )
         out = mgr.handle(_batch(rids, outs, [[] for _ in rids], reasons))
         assert isinstance(out, BatchTextOutput) and out.rids == rids
         for rid, t in zip(out.rids, out.texts):
@@ -217,8 +235,11 @@ def test_detokenizer_process_over_zmq(tokenizer, tmp_path):
     sender = Sender(ctx, ipc.detokenizer)
     spawn = mp.get_context("spawn")
     parent_conn, child_conn = spawn.Pipe(duplex=False)
-    proc = spawn.Process(target=run_detokenizer_process, daemon=True,
-                         args=(ServerArgs(model_path=str(path)), ipc, child_conn))
+    proc = spawn.Process(
+        target=run_detokenizer_process,
+        daemon=True,
+        args=(ServerArgs(model_path=str(path)), ipc, child_conn),
+    )
     proc.start()
     try:
         assert parent_conn.poll(60), "the detokenizer did not report readiness"
@@ -226,8 +247,11 @@ def test_detokenizer_process_over_zmq(tokenizer, tmp_path):
         ids = tokenizer.encode(TEXTS[3])
         for k, i in enumerate(ids):
             last = k == len(ids) - 1
-            sender.send(_batch(["r"], [[i]], [[]],
-                               [{"type": "length", "length": len(ids)} if last else None]))
+            sender.send(
+                _batch(
+                    ["r"], [[i]], [[]], [{"type": "length", "length": len(ids)} if last else None]
+                )
+            )
         text = ""
         while True:
             msg = inbox.recv(timeout_ms=10_000)

@@ -10,8 +10,9 @@ import os
 import time
 
 import pytest
-import sglite
 import torch
+
+import sglite
 from fixtures.serving import build_tiny_tokenizer, descendants, run_fake_scheduler
 
 
@@ -30,8 +31,12 @@ def _wait_gone(pids: set[int], timeout: float = 10.0) -> set[int]:
 def fake_engine(tmp_path_factory):
     tok = build_tiny_tokenizer(tmp_path_factory.mktemp("tok"))
     before = set(descendants(os.getpid()))
-    engine = sglite.Engine(model_path=str(tok), context_length=256,
-                           scheduler_entry=run_fake_scheduler, log_level="warning")
+    engine = sglite.Engine(
+        model_path=str(tok),
+        context_length=256,
+        scheduler_entry=run_fake_scheduler,
+        log_level="warning",
+    )
     yield engine
     children = set(descendants(os.getpid())) - before
     engine.shutdown()
@@ -49,8 +54,9 @@ def test_generate_returns_generate_dicts(fake_engine):
 def test_batch_generate(fake_engine):
     outs = fake_engine.generate(["Hello", "東京"], {"max_new_tokens": 3})
     assert isinstance(outs, list) and [o["text"][:1] for o in outs] == ["H", "東"]
-    outs = fake_engine.generate(input_ids=[[5, 6], [7]], sampling_params=[
-        {"max_new_tokens": 2}, {"max_new_tokens": 3}])
+    outs = fake_engine.generate(
+        input_ids=[[5, 6], [7]], sampling_params=[{"max_new_tokens": 2}, {"max_new_tokens": 3}]
+    )
     assert [o["output_ids"] for o in outs] == [[5, 6], [7, 7, 7]]
 
 
@@ -91,14 +97,15 @@ def _hf_greedy(model_dir, prompt_ids: list[int], steps: int) -> list[int]:
     with torch.no_grad():
         for _ in range(steps):
             seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
-    return seq[len(prompt_ids):]
+    return seq[len(prompt_ids) :]
 
 
 def test_engine_on_tiny_model_matches_transformers(tiny_model_dir, tmp_path):
     model_dir = tiny_model_dir("llama")
     before = set(descendants(os.getpid()))
-    with sglite.Engine(model_path=str(model_dir), max_total_tokens=2048,
-                       log_level="warning") as engine:
+    with sglite.Engine(
+        model_path=str(model_dir), max_total_tokens=2048, log_level="warning"
+    ) as engine:
         children = set(descendants(os.getpid())) - before
         assert len(children) >= 2
         ipc_dir = engine._backend.ipc.dir

@@ -12,6 +12,7 @@ import time
 
 import httpx
 import pytest
+
 from fixtures.serving import (
     build_tiny_tokenizer,
     child_env,
@@ -50,8 +51,9 @@ def _ipc_dirs(tmp) -> list:
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_signal_shuts_down_cleanly(tok_dir, tmp_path, sig):
-    srv = start_server(["--model-path", str(tok_dir)], tmp_path / "log", fake=True,
-                       tmpdir=tmp_path, timeout=120)
+    srv = start_server(
+        ["--model-path", str(tok_dir)], tmp_path / "log", fake=True, tmpdir=tmp_path, timeout=120
+    )
     children = descendants(srv.proc.pid)
     assert len(children) >= 2 and _ipc_dirs(tmp_path)
     assert srv.stop(sig) == 0, srv.log()
@@ -61,8 +63,9 @@ def test_signal_shuts_down_cleanly(tok_dir, tmp_path, sig):
 
 
 def test_dead_child_takes_the_server_down(tok_dir, tmp_path):
-    srv = start_server(["--model-path", str(tok_dir)], tmp_path / "log", fake=True,
-                       tmpdir=tmp_path, timeout=120)
+    srv = start_server(
+        ["--model-path", str(tok_dir)], tmp_path / "log", fake=True, tmpdir=tmp_path, timeout=120
+    )
     children = descendants(srv.proc.pid)
     try:
         r = httpx.post(srv.url + "/generate", json={"text": "__crash__"}, timeout=30)
@@ -76,8 +79,9 @@ def test_dead_child_takes_the_server_down(tok_dir, tmp_path):
 
 
 def test_killed_server_leaves_no_orphans(tok_dir, tmp_path):
-    srv = start_server(["--model-path", str(tok_dir)], tmp_path / "log", fake=True,
-                       tmpdir=tmp_path, timeout=120)
+    srv = start_server(
+        ["--model-path", str(tok_dir)], tmp_path / "log", fake=True, tmpdir=tmp_path, timeout=120
+    )
     children = descendants(srv.proc.pid)
     srv.stop(signal.SIGKILL)
     assert _gone(children, timeout=15), "children outlived a SIGKILLed parent"
@@ -86,10 +90,16 @@ def test_killed_server_leaves_no_orphans(tok_dir, tmp_path):
 
 def test_failed_start_prints_the_error_and_exits_nonzero(tmp_path):
     port = free_port()
-    cmd = [sys.executable, "-m", "sglite.launch_server", "--model-path",
-           str(tmp_path / "no-such-model"), "--port", str(port)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=child_env(tmp_path),
-                          timeout=120)
+    cmd = [
+        sys.executable,
+        "-m",
+        "sglite.launch_server",
+        "--model-path",
+        str(tmp_path / "no-such-model"),
+        "--port",
+        str(port),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=child_env(tmp_path), timeout=120)
     assert proc.returncode != 0
     assert "failed to start" in proc.stderr or "exited with code" in proc.stderr, proc.stderr
     assert "no-such-model" in proc.stderr
@@ -101,25 +111,60 @@ def test_port_in_use_fails_fast(tmp_path):
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        cmd = [sys.executable, "-m", "sglite.launch_server", "--model-path", "x", "--port",
-               str(port)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "sglite.launch_server",
+            "--model-path",
+            "x",
+            "--port",
+            str(port),
+        ]
         t0 = time.monotonic()
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=child_env(tmp_path),
-                              timeout=60)
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, env=child_env(tmp_path), timeout=60
+        )
     assert proc.returncode != 0 and f"{port}" in proc.stderr and "--port" in proc.stderr
     assert time.monotonic() - t0 < 20
 
 
 def test_help_lists_sglang_flags():
-    out = subprocess.run([sys.executable, "-m", "sglite.launch_server", "--help"],
-                         capture_output=True, text=True, env=child_env(), timeout=60).stdout
-    for flag in ("--model-path", "--tokenizer-path", "--host", "--port", "--dtype",
-                 "--context-length", "--page-size", "--max-total-tokens",
-                 "--mem-fraction-static", "--max-running-requests", "--max-prefill-tokens",
-                 "--chunked-prefill-size", "--schedule-policy", "--radix-eviction-policy",
-                 "--disable-radix-cache", "--disable-overlap-schedule", "--enable-mixed-chunk",
-                 "--attention-backend", "--tp-size", "--log-level", "--served-model-name"):
+    out = subprocess.run(
+        [sys.executable, "-m", "sglite.launch_server", "--help"],
+        capture_output=True,
+        text=True,
+        env=child_env(),
+        timeout=60,
+    ).stdout
+    for flag in (
+        "--model-path",
+        "--tokenizer-path",
+        "--host",
+        "--port",
+        "--dtype",
+        "--context-length",
+        "--page-size",
+        "--max-total-tokens",
+        "--mem-fraction-static",
+        "--max-running-requests",
+        "--max-prefill-tokens",
+        "--chunked-prefill-size",
+        "--schedule-policy",
+        "--radix-eviction-policy",
+        "--disable-radix-cache",
+        "--disable-overlap-schedule",
+        "--enable-mixed-chunk",
+        "--attention-backend",
+        "--tp-size",
+        "--log-level",
+        "--served-model-name",
+    ):
         assert flag in out, flag
-    out2 = subprocess.run([sys.executable, "-m", "sglite", "serve", "--help"],
-                          capture_output=True, text=True, env=child_env(), timeout=60).stdout
+    out2 = subprocess.run(
+        [sys.executable, "-m", "sglite", "serve", "--help"],
+        capture_output=True,
+        text=True,
+        env=child_env(),
+        timeout=60,
+    ).stdout
     assert "--model-path" in out2

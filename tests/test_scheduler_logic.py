@@ -6,8 +6,8 @@ import random
 
 import numpy as np
 import pytest
-from fixtures.sched import Harness
 
+from fixtures.sched import Harness
 from sglite.scheduler.decode import DecodeManager
 from sglite.scheduler.worker import Worker
 
@@ -50,13 +50,20 @@ def workload(seed: int, n: int = 24):
 def test_every_request_completes_exactly_once(core, loop, page_size, policy):
     reqs = workload(1)
     worker = ScriptWorker({rid: len(ids) for rid, ids, _ in reqs})
-    h = Harness(core, total_tokens=1024, page_size=page_size, schedule_policy=policy,
-                chunked_prefill_size=64, disable_overlap_schedule=LOOPS[loop], worker=worker)
+    h = Harness(
+        core,
+        total_tokens=1024,
+        page_size=page_size,
+        schedule_policy=policy,
+        chunked_prefill_size=64,
+        disable_overlap_schedule=LOOPS[loop],
+        worker=worker,
+    )
     for rid, ids, n in reqs:
         h.add(rid, ids, max_new_tokens=n)
     h.run()
     res = h.results()
-    for rid, ids, n in reqs:
+    for rid, _, n in reqs:
         assert res[rid]["n_finish"] == 1
         assert res[rid]["ids"] == [100 + k for k in range(n)], rid  # nothing lost or repeated
         assert res[rid]["finish"] == {"type": "length", "length": n}
@@ -100,8 +107,13 @@ def test_branch_point_cached_once_two_requests_diverge(core):
 
 
 def test_lpm_admits_longest_match_first(core):
-    h = Harness(core, schedule_policy="lpm", max_prefill_tokens=16, chunked_prefill_size=-1,
-                disable_overlap_schedule=True)
+    h = Harness(
+        core,
+        schedule_policy="lpm",
+        max_prefill_tokens=16,
+        chunked_prefill_size=-1,
+        disable_overlap_schedule=True,
+    )
     base = list(range(200, 260))
     h.add("warm", base, max_new_tokens=1)
     h.run()
@@ -142,14 +154,17 @@ def test_chunks_end_on_page_boundaries(core):
     ps = 16
     prompt = list(range(1, 201))
     worker = ScriptWorker({"p": 200, "warm": 40})
-    h = Harness(core, page_size=ps, chunked_prefill_size=64, worker=worker,
-                disable_overlap_schedule=True)
+    h = Harness(
+        core, page_size=ps, chunked_prefill_size=64, worker=worker, disable_overlap_schedule=True
+    )
     h.add("warm", prompt[:40], max_new_tokens=1)
     h.run()
     worker.calls.clear()
     h.add("p", prompt, max_new_tokens=2)
     h.run()
-    slices = [(int(fi.prefix_lens[0]), int(fi.seq_lens[0])) for fi in worker.calls if fi.mode == "extend"]
+    slices = [
+        (int(fi.prefix_lens[0]), int(fi.seq_lens[0])) for fi in worker.calls if fi.mode == "extend"
+    ]
     assert slices[0][0] == 32  # the cached prefix, page aligned
     assert all(end % ps == 0 for _, end in slices[:-1]) and slices[-1][1] == 200
     assert all(end - start <= 64 for start, end in slices)
@@ -169,8 +184,13 @@ def test_retraction_takes_fewest_decoded_longest_prompt(core, monkeypatch):
     monkeypatch.setattr(DecodeManager, "_retract", spy)
     reqs = workload(3, n=16)
     worker = ScriptWorker({rid: len(ids) for rid, ids, _ in reqs})
-    h = Harness(core, total_tokens=512, worker=worker, chunked_prefill_size=64,
-                disable_overlap_schedule=True)
+    h = Harness(
+        core,
+        total_tokens=512,
+        worker=worker,
+        chunked_prefill_size=64,
+        disable_overlap_schedule=True,
+    )
     for rid, ids, n in reqs:
         h.add(rid, ids, max_new_tokens=n + 60)
     h.run()
@@ -186,8 +206,13 @@ def test_retraction_takes_fewest_decoded_longest_prompt(core, monkeypatch):
 
 @pytest.mark.parametrize("loop", LOOPS)
 def test_abort_in_every_state_leaks_nothing(core, loop):
-    h = Harness(core, total_tokens=2048, chunked_prefill_size=32, max_running_requests=2,
-                disable_overlap_schedule=LOOPS[loop])
+    h = Harness(
+        core,
+        total_tokens=2048,
+        chunked_prefill_size=32,
+        max_running_requests=2,
+        disable_overlap_schedule=LOOPS[loop],
+    )
     h.add("chunky", list(range(1, 300)), max_new_tokens=50)
     h.add("runner", list(range(500, 520)), max_new_tokens=50)
     h.add("waiter", list(range(600, 620)), max_new_tokens=50)
@@ -277,8 +302,13 @@ def test_flush_cache_only_when_idle(core):
 def test_mixed_chunk_runs_decode_rows_in_prefill_batches(core):
     reqs = workload(5, n=10)
     worker = ScriptWorker({rid: len(ids) for rid, ids, _ in reqs})
-    h = Harness(core, worker=worker, enable_mixed_chunk=True, chunked_prefill_size=32,
-                disable_overlap_schedule=True)
+    h = Harness(
+        core,
+        worker=worker,
+        enable_mixed_chunk=True,
+        chunked_prefill_size=32,
+        disable_overlap_schedule=True,
+    )
     for rid, ids, n in reqs:
         h.add(rid, ids, max_new_tokens=n + 5)
     h.run()

@@ -29,7 +29,9 @@ def make_workload(vocab: int, seed: int = 0):
             prompt = [rng.randrange(3, vocab) for _ in range(rng.randrange(4, 20))]
             n = rng.randrange(36, 56)
         else:
-            prompt = systems[i % 4 // 2] + [rng.randrange(3, vocab) for _ in range(rng.randrange(4, 40))]
+            prompt = systems[i % 4 // 2] + [
+                rng.randrange(3, vocab) for _ in range(rng.randrange(4, 40))
+            ]
             n = rng.randrange(2, 8)
         reqs.append((f"req{i}", prompt, n))
     return reqs
@@ -64,13 +66,23 @@ def reference(tiny_model_dir):
 def run_engine(core, model_dir, reqs, *, page_size, policy, overlap, total_tokens=320, conserv=0.1):
     from sglite.model_executor.model_runner import ModelRunner
 
-    runner = ModelRunner(model_dir, device="cpu", page_size=page_size,
-                         max_total_tokens=total_tokens, max_running_requests=24,
-                         tree_core=core.name)
-    args = ServerArgs(page_size=page_size, max_total_tokens=total_tokens,
-                      schedule_policy=policy, chunked_prefill_size=32,
-                      disable_overlap_schedule=not overlap, debug_invariants=True,
-                      schedule_conservativeness=conserv)  # eager admission: forces retraction
+    runner = ModelRunner(
+        model_dir,
+        device="cpu",
+        page_size=page_size,
+        max_total_tokens=total_tokens,
+        max_running_requests=24,
+        tree_core=core.name,
+    )
+    args = ServerArgs(
+        page_size=page_size,
+        max_total_tokens=total_tokens,
+        schedule_policy=policy,
+        chunked_prefill_size=32,
+        disable_overlap_schedule=not overlap,
+        debug_invariants=True,
+        schedule_conservativeness=conserv,
+    )  # eager admission: forces retraction
     outputs = []
     sched = Scheduler(
         args, ModelWorker(runner), core=core, allocator=runner.allocator,
@@ -93,8 +105,9 @@ def run_engine(core, model_dir, reqs, *, page_size, policy, overlap, total_token
 @pytest.mark.parametrize("policy", POLICIES)
 def test_greedy_tokens_match_transformers(core, reference, policy, overlap, page_size):
     model_dir, reqs, expected = reference
-    got, sched = run_engine(core, model_dir, reqs, page_size=page_size, policy=policy,
-                            overlap=overlap)
+    got, sched = run_engine(
+        core, model_dir, reqs, page_size=page_size, policy=policy, overlap=overlap
+    )
     for rid, _, _ in reqs:
         assert got[rid] == expected[rid], f"{rid} differs from transformers"
     c = sched.counters

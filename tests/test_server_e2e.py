@@ -16,6 +16,7 @@ import httpx
 import openai
 import pytest
 import torch
+
 from fixtures.serving import start_server
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
@@ -23,8 +24,20 @@ GREEDY = {"temperature": 0, "ignore_eos": True}
 
 def _server(model_dir, tmp_path_factory, *extra: str):
     log = tmp_path_factory.mktemp("log") / "server.log"
-    return start_server(["--model-path", str(model_dir), "--max-total-tokens", "8192",
-                         "--served-model-name", "m", *extra], log, fake=False, timeout=300)
+    return start_server(
+        [
+            "--model-path",
+            str(model_dir),
+            "--max-total-tokens",
+            "8192",
+            "--served-model-name",
+            "m",
+            *extra,
+        ],
+        log,
+        fake=False,
+        timeout=300,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +70,7 @@ def hf_greedy(model_dir, prompt: str, steps: int) -> list[int]:
     with torch.no_grad():
         for _ in range(steps):
             seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
-    return seq[len(ids):]
+    return seq[len(ids) :]
 
 
 def generate(srv, text: str, **sp) -> dict:
@@ -68,8 +81,12 @@ def generate(srv, text: str, **sp) -> dict:
 
 def stream_generate(srv, text: str, **sp) -> list[dict]:
     chunks = []
-    with httpx.stream("POST", srv.url + "/generate", timeout=120,
-                      json={"text": text, "sampling_params": sp, "stream": True}) as r:
+    with httpx.stream(
+        "POST",
+        srv.url + "/generate",
+        timeout=120,
+        json={"text": text, "sampling_params": sp, "stream": True},
+    ) as r:
         lines = [line for line in r.iter_lines() if line]
     assert lines[-1] == "data: [DONE]"
     for line in lines[:-1]:
@@ -82,8 +99,12 @@ def server_info(srv) -> dict:
 
 
 # ---------------------------------------------------------------------- tiny model
-PROMPTS = ["The river town woke slowly", "In the library at the top of the hill",
-           "Every good system, she wrote", "Fishermen pulled their boats"]
+PROMPTS = [
+    "The river town woke slowly",
+    "In the library at the top of the hill",
+    "Every good system, she wrote",
+    "Fishermen pulled their boats",
+]
 
 
 def test_generate_greedy_matches_transformers(tiny, tiny_model_dir, tokenizer):
@@ -111,14 +132,20 @@ def test_generate_stream_matches_non_stream(tiny):
 def test_openai_completions(tiny):
     ref = generate(tiny, PROMPTS[2], max_new_tokens=6, **GREEDY)
     client = openai.OpenAI(base_url=tiny.url + "/v1", api_key="none")
-    r = client.completions.create(model="m", prompt=PROMPTS[2], max_tokens=6, temperature=0,
-                                  extra_body={"ignore_eos": True})
+    r = client.completions.create(
+        model="m", prompt=PROMPTS[2], max_tokens=6, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert r.choices[0].text == ref["text"] and r.choices[0].finish_reason == "length"
     assert r.usage.completion_tokens == 6 and r.usage.prompt_tokens > 0
-    stream = client.completions.create(model="m", prompt=PROMPTS[2], max_tokens=6,
-                                       temperature=0, stream=True,
-                                       stream_options={"include_usage": True},
-                                       extra_body={"ignore_eos": True})
+    stream = client.completions.create(
+        model="m",
+        prompt=PROMPTS[2],
+        max_tokens=6,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
     chunks = list(stream)
     assert "".join(c.choices[0].text for c in chunks if c.choices) == ref["text"]
     assert chunks[-1].usage.completion_tokens == 6
@@ -131,8 +158,7 @@ def test_concurrent_streaming_clients(tiny):
     solo = {p: generate(tiny, p, max_new_tokens=12, **GREEDY)["text"] for p in prompts[:4]}
 
     async def one(c: httpx.AsyncClient, text: str) -> dict:
-        body = {"text": text, "stream": True, "sampling_params": {"max_new_tokens": 12,
-                                                                    **GREEDY}}
+        body = {"text": text, "stream": True, "sampling_params": {"max_new_tokens": 12, **GREEDY}}
         last, done = None, False
         async with c.stream("POST", "/generate", json=body) as r:
             async for line in r.aiter_lines():
@@ -157,8 +183,11 @@ def test_concurrent_streaming_clients(tiny):
 
 
 def test_disconnect_mid_stream_frees_kv(tiny):
-    body = {"text": PROMPTS[3], "stream": True,
-            "sampling_params": {"max_new_tokens": 400, **GREEDY}}
+    body = {
+        "text": PROMPTS[3],
+        "stream": True,
+        "sampling_params": {"max_new_tokens": 400, **GREEDY},
+    }
     with httpx.stream("POST", tiny.url + "/generate", json=body, timeout=60) as r:
         lines = r.iter_lines()
         for _ in range(3):
@@ -174,13 +203,16 @@ def test_disconnect_mid_stream_frees_kv(tiny):
     assert stats["num_running_reqs"] == 0 and stats["kv_used_tokens"] == 0, stats
 
 
-@pytest.mark.parametrize("body,field", [
-    ({"text": "word " * 600}, "text"),
-    ({"text": "Hi", "sampling_params": {"max_new_tokens": 600}}, "max_new_tokens"),
-    ({"text": "Hi", "sampling_params": {"top_k": -5}}, "top_k"),
-    ({"input_ids": [10**7]}, "input_ids"),
-    ({"text": "Hi", "input_ids": [1]}, "input_ids"),
-])
+@pytest.mark.parametrize(
+    "body,field",
+    [
+        ({"text": "word " * 600}, "text"),
+        ({"text": "Hi", "sampling_params": {"max_new_tokens": 600}}, "max_new_tokens"),
+        ({"text": "Hi", "sampling_params": {"top_k": -5}}, "top_k"),
+        ({"input_ids": [10**7]}, "input_ids"),
+        ({"text": "Hi", "input_ids": [1]}, "input_ids"),
+    ],
+)
 def test_bad_input_400_and_still_serving(tiny, body, field):
     r = httpx.post(tiny.url + "/generate", json=body, timeout=30)
     assert r.status_code == 400 and field in r.json()["error"]["message"]
@@ -188,8 +220,11 @@ def test_bad_input_400_and_still_serving(tiny, body, field):
 
 
 def test_chat_without_template_is_400(tiny):
-    r = httpx.post(tiny.url + "/v1/chat/completions", timeout=30, json={
-        "model": "m", "messages": [{"role": "user", "content": "Hi"}]})
+    r = httpx.post(
+        tiny.url + "/v1/chat/completions",
+        timeout=30,
+        json={"model": "m", "messages": [{"role": "user", "content": "Hi"}]},
+    )
     assert r.status_code == 400 and "chat template" in r.json()["error"]["message"]
 
 
@@ -207,12 +242,12 @@ def test_server_info_and_metrics(tiny):
 def test_smollm2_chat_knows_paris(smol):
     client = openai.OpenAI(base_url=smol.url + "/v1", api_key="none")
     messages = [{"role": "user", "content": "What is the capital of France?"}]
-    r = client.chat.completions.create(model="m", messages=messages, max_tokens=16,
-                                       temperature=0)
+    r = client.chat.completions.create(model="m", messages=messages, max_tokens=16, temperature=0)
     answer = r.choices[0].message.content
     assert "Paris" in answer, answer
-    stream = client.chat.completions.create(model="m", messages=messages, max_tokens=16,
-                                            temperature=0, stream=True)
+    stream = client.chat.completions.create(
+        model="m", messages=messages, max_tokens=16, temperature=0, stream=True
+    )
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == answer
 
 
@@ -228,9 +263,11 @@ def test_smollm2_stop_string_and_n(smol):
     r = client.completions.create(**kw)
     assert r.choices[0].finish_reason == "stop" and r.choices[0].matched_stop == " 7"
     assert r.choices[0].text == " 5, 6,"
-    streamed = "".join(c.choices[0].text for c in client.completions.create(**kw, stream=True)
-                       if c.choices)
+    streamed = "".join(
+        c.choices[0].text for c in client.completions.create(**kw, stream=True) if c.choices
+    )
     assert streamed == r.choices[0].text  # no part of the stop string was streamed
-    r = client.completions.create(model="m", prompt="Once upon a time", max_tokens=4,
-                                  temperature=1.0, n=2, seed=1)
+    r = client.completions.create(
+        model="m", prompt="Once upon a time", max_tokens=4, temperature=1.0, n=2, seed=1
+    )
     assert [c.index for c in r.choices] == [0, 1]

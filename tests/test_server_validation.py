@@ -11,6 +11,7 @@ import time
 
 import httpx
 import pytest
+
 from fixtures.serving import build_tiny_tokenizer, start_server
 from sglite.server.inputs import Prompt, RequestError
 
@@ -26,8 +27,12 @@ def tok_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(tok_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("log") / "server.log"
-    srv = start_server(["--model-path", str(tok_dir), "--context-length", str(CTX),
-                        "--served-model-name", "tiny"], log, fake=True, timeout=120)
+    srv = start_server(
+        ["--model-path", str(tok_dir), "--context-length", str(CTX), "--served-model-name", "tiny"],
+        log,
+        fake=True,
+        timeout=120,
+    )
     yield srv
     srv.stop()
 
@@ -66,21 +71,33 @@ BAD = [
     ("/generate", {"input_ids": [1, 2, 99999]}, ["input_ids[2]", "99999"]),
     ("/generate", {"input_ids": [[1], [2, -1]]}, ["input_ids[1]"]),
     ("/generate", {"text": LONG_TEXT}, ["text", "context length", str(CTX)]),
-    ("/generate", {"text": "Hi", "sampling_params": {"max_new_tokens": CTX}},
-     ["max_new_tokens", "context length"]),
+    (
+        "/generate",
+        {"text": "Hi", "sampling_params": {"max_new_tokens": CTX}},
+        ["max_new_tokens", "context length"],
+    ),
     ("/generate", {"text": "Hi", "sampling_params": {"top_p": 5}}, ["top_p"]),
     ("/generate", {"text": "Hi", "sampling_params": {"temperature": -1}}, ["temperature"]),
     ("/generate", {"text": "Hi", "sampling_params": {"temperature": "hot"}}, ["temperature"]),
     ("/generate", {"text": "Hi", "sampling_params": {"top_k": 0}}, ["top_k"]),
-    ("/generate", {"text": "Hi", "sampling_params": {"frequency_penalty": 9}},
-     ["frequency_penalty"]),
+    (
+        "/generate",
+        {"text": "Hi", "sampling_params": {"frequency_penalty": 9}},
+        ["frequency_penalty"],
+    ),
     ("/generate", {"text": "Hi", "sampling_params": {"tmperature": 0.5}}, ["tmperature"]),
-    ("/generate", {"text": "Hi", "sampling_params": {"stop_token_ids": [10**6]}},
-     ["stop_token_ids"]),
+    (
+        "/generate",
+        {"text": "Hi", "sampling_params": {"stop_token_ids": [10**6]}},
+        ["stop_token_ids"],
+    ),
     ("/generate", {"text": "Hi", "sampling_params": {"n": 0}}, ["n "]),
     ("/generate", {"text": ["a", "b"], "sampling_params": [{}]}, ["sampling_params"]),
-    ("/generate", {"text": "Hi", "sampling_params": {"max_new_tokens": CTX - 2}},
-     ["max_new_tokens", "KV cache"]),
+    (
+        "/generate",
+        {"text": "Hi", "sampling_params": {"max_new_tokens": CTX - 2}},
+        ["max_new_tokens", "KV cache"],
+    ),
     ("/generate", {"text": ["a", "b"], "rid": ["x", "x"]}, ["rid"]),
     ("/generate", {"text": "Hi", "return_logprob": True}, ["return_logprob"]),
     ("/v1/completions", "{", ["malformed JSON"]),
@@ -95,12 +112,18 @@ BAD = [
     ("/v1/completions", _cmpl(logprobs=2), ["logprobs"]),
     ("/v1/completions", {"prompt": "Hi"}, ["model"]),
     ("/v1/chat/completions", _chat(messages=[]), ["messages"]),
-    ("/v1/chat/completions", _chat(messages=[{"role": "wizard", "content": "x"}]),
-     ["messages[0].role"]),
+    (
+        "/v1/chat/completions",
+        _chat(messages=[{"role": "wizard", "content": "x"}]),
+        ["messages[0].role"],
+    ),
     ("/v1/chat/completions", _chat(messages="Hi"), ["messages"]),
     ("/v1/chat/completions", _chat(model="nope"), ["model", "nope"]),
-    ("/v1/chat/completions", _chat(max_completion_tokens=CTX),
-     ["max_completion_tokens", "context length"]),
+    (
+        "/v1/chat/completions",
+        _chat(max_completion_tokens=CTX),
+        ["max_completion_tokens", "context length"],
+    ),
     ("/v1/chat/completions", _chat(presence_penalty=3), ["presence_penalty"]),
     ("/v1/chat/completions", _chat(stream_options={"include_usage": True}), ["stream_options"]),
     ("/abort_request", {}, ["rid"]),
@@ -118,8 +141,10 @@ def test_bad_input_is_400_naming_the_field(client, route, body, words):
 
 
 def test_server_keeps_serving_after_bad_inputs(client):
-    r = client.post("/generate", json={"text": "Hello world", "sampling_params":
-                                       {"max_new_tokens": 5, "temperature": 0}})
+    r = client.post(
+        "/generate",
+        json={"text": "Hello world", "sampling_params": {"max_new_tokens": 5, "temperature": 0}},
+    )
     assert r.status_code == 200
     out = r.json()
     assert out["text"] == "Hello world"[: len(out["text"])] and out["text"]
@@ -131,15 +156,19 @@ def test_server_keeps_serving_after_bad_inputs(client):
 
 def test_form_encoded_json_is_accepted(client):
     """curl -d sends application/x-www-form-urlencoded; the body is still JSON."""
-    r = client.post("/generate", content=b'{"text": "Hi", "sampling_params": '
-                    b'{"max_new_tokens": 2}}',
-                    headers={"Content-Type": "application/x-www-form-urlencoded"})
+    r = client.post(
+        "/generate",
+        content=b'{"text": "Hi", "sampling_params": {"max_new_tokens": 2}}',
+        headers={"Content-Type": "application/x-www-form-urlencoded"},
+    )
     assert r.status_code == 200, r.text
 
 
 def test_batch_and_n(client):
-    r = client.post("/generate", json={"text": ["Hello", "東京"], "sampling_params":
-                                       {"max_new_tokens": 3, "n": 2}})
+    r = client.post(
+        "/generate",
+        json={"text": ["Hello", "東京"], "sampling_params": {"max_new_tokens": 3, "n": 2}},
+    )
     outs = r.json()
     assert r.status_code == 200 and len(outs) == 4
     assert [o["text"][:1] for o in outs] == ["H", "H", "東", "東"]
@@ -149,8 +178,11 @@ def test_batch_and_n(client):
 
 def test_generate_stream_is_sse_ending_with_done(client):
     events = []
-    with client.stream("POST", "/generate", json={"text": "Emoji 😀 東京", "stream": True,
-                                                  "sampling_params": {"max_new_tokens": 8}}) as r:
+    with client.stream(
+        "POST",
+        "/generate",
+        json={"text": "Emoji 😀 東京", "stream": True, "sampling_params": {"max_new_tokens": 8}},
+    ) as r:
         assert r.headers["content-type"].startswith("text/event-stream")
         for line in r.iter_lines():
             if line:
@@ -181,10 +213,16 @@ def test_info_routes(client):
 def test_metrics(client):
     client.post("/generate", json={"text": "Hi", "sampling_params": {"max_new_tokens": 3}})
     text = client.get("/metrics").text
-    for name in ("sglite:num_running_reqs", "sglite:num_waiting_reqs", "sglite:token_usage",
-                 "sglite:cache_hit_rate", "sglite:gen_throughput",
-                 "sglite:time_to_first_token_seconds_bucket",
-                 "sglite:inter_token_latency_seconds_bucket", "sglite:generation_tokens_total"):
+    for name in (
+        "sglite:num_running_reqs",
+        "sglite:num_waiting_reqs",
+        "sglite:token_usage",
+        "sglite:cache_hit_rate",
+        "sglite:gen_throughput",
+        "sglite:time_to_first_token_seconds_bucket",
+        "sglite:inter_token_latency_seconds_bucket",
+        "sglite:generation_tokens_total",
+    ):
         assert name in text, name
 
 
@@ -257,8 +295,9 @@ def test_overloaded_manager_answers_503():
         model_path = "m"
         page_size = 1
 
-    tm = TokenizerManager(Args(), {"context_length": 16, "vocab_size": 10}, None, None,
-                          max_inflight=1)
+    tm = TokenizerManager(
+        Args(), {"context_length": 16, "vocab_size": 10}, None, None, max_inflight=1
+    )
     tm.states["busy"] = object()
     with pytest.raises(RequestError) as e:
         asyncio.run(tm.submit([Prompt("r", [1], None)], stream=False))

@@ -47,7 +47,10 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "serve":
         argv = argv[1:]
     elif argv and not argv[0].startswith("-"):
-        print(f"sglite: unknown command {argv[0]!r}; usage: sglite serve [flags] "
-              "(see sglite serve --help)", file=sys.stderr)
+        print(
+            f"sglite: unknown command {argv[0]!r}; usage: sglite serve [flags] "
+            "(see sglite serve --help)",
+            file=sys.stderr,
+        )
         return 2
     return serve(argv)

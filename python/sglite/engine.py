@@ -39,29 +39,39 @@ _END = object()
 class Engine:
     """Offline generation; keyword arguments are ServerArgs fields (the CLI flags)."""
 
-    def __init__(self, model_path: str | None = None, *,
-                 scheduler_entry: Entry = SCHEDULER_ENTRY,
-                 detokenizer_entry: Entry = DETOKENIZER_ENTRY, **server_args: Any):
+    def __init__(
+        self,
+        model_path: str | None = None,
+        *,
+        scheduler_entry: Entry = SCHEDULER_ENTRY,
+        detokenizer_entry: Entry = DETOKENIZER_ENTRY,
+        **server_args: Any,
+    ):
         from sglite.server.tokenizer_manager import TokenizerManager
 
         known = {f.name for f in dataclasses.fields(ServerArgs)}
         unknown = sorted(set(server_args) - known)
         if unknown:
-            raise TypeError(f"Engine() got unknown argument(s) {', '.join(unknown)}; "
-                            "they must be ServerArgs fields (the CLI flags in snake_case)")
+            raise TypeError(
+                f"Engine() got unknown argument(s) {', '.join(unknown)}; "
+                "they must be ServerArgs fields (the CLI flags in snake_case)"
+            )
         args = ServerArgs(model_path=model_path, **server_args)
         setup_logging(args.log_level)
         self._closed = False
-        self._backend = start_backend(args, scheduler_entry=scheduler_entry,
-                                      detokenizer_entry=detokenizer_entry)
+        self._backend = start_backend(
+            args, scheduler_entry=scheduler_entry, detokenizer_entry=detokenizer_entry
+        )
         try:
             self.server_args = self._backend.server_args
             self._loop = asyncio.new_event_loop()
-            self._thread = threading.Thread(target=self._loop.run_forever,
-                                            name="sglite-engine-loop", daemon=True)
+            self._thread = threading.Thread(
+                target=self._loop.run_forever, name="sglite-engine-loop", daemon=True
+            )
             self._thread.start()
-            self.tm = TokenizerManager(self.server_args, self._backend.info,
-                                       self._backend.tokenizer, self._backend.ipc)
+            self.tm = TokenizerManager(
+                self.server_args, self._backend.info, self._backend.tokenizer, self._backend.ipc
+            )
             self._call(self.tm.start())
         except BaseException:
             self._backend.shutdown()
@@ -74,10 +84,14 @@ class Engine:
     def tokenizer(self) -> Any:
         return self._backend.tokenizer
 
-    def generate(self, prompt: str | list[str] | None = None,
-                 sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None,
-                 input_ids: list[int] | list[list[int]] | None = None,
-                 stream: bool = False, rid: str | list[str] | None = None) -> Any:
+    def generate(
+        self,
+        prompt: str | list[str] | None = None,
+        sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+        stream: bool = False,
+        rid: str | list[str] | None = None,
+    ) -> Any:
         """Generate for one prompt (a dict) or a list of prompts (a list of dicts).
 
         With `stream=True`, returns an iterator of cumulative dicts (a batch adds "index")."""
@@ -85,10 +99,13 @@ class Engine:
             return self.generate_stream(prompt, sampling_params, input_ids, rid=rid)
         return self._call(self._generate(prompt, sampling_params, input_ids, rid))
 
-    def generate_stream(self, prompt: str | list[str] | None = None,
-                        sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None,
-                        input_ids: list[int] | list[list[int]] | None = None,
-                        rid: str | list[str] | None = None) -> Iterator[dict[str, Any]]:
+    def generate_stream(
+        self,
+        prompt: str | list[str] | None = None,
+        sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+        rid: str | list[str] | None = None,
+    ) -> Iterator[dict[str, Any]]:
         """Iterate over partial results as they arrive; the last one per prompt is final."""
         self._check_open()
         items: queue.Queue = queue.Queue()
@@ -146,15 +163,12 @@ class Engine:
     def _call(self, coro: Any) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
-    async def _prepare(self, prompt: Any, sampling_params: Any, input_ids: Any,
-                       rid: Any) -> Any:
+    async def _prepare(self, prompt: Any, sampling_params: Any, input_ids: Any, rid: Any) -> Any:
         return self.tm.inputs.prepare_generate(prompt, input_ids, sampling_params, rid)
 
-    async def _generate(self, prompt: Any, sampling_params: Any, input_ids: Any,
-                        rid: Any) -> Any:
+    async def _generate(self, prompt: Any, sampling_params: Any, input_ids: Any, rid: Any) -> Any:
         self._check_open()
-        prompts, is_batch = self.tm.inputs.prepare_generate(prompt, input_ids, sampling_params,
-                                                            rid)
+        prompts, is_batch = self.tm.inputs.prepare_generate(prompt, input_ids, sampling_params, rid)
         outputs = await self.tm.collect(prompts)
         self._check_open()
         return outputs if is_batch else outputs[0]

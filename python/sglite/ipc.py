@@ -52,7 +52,7 @@ class IpcNames:
             return
         for addr in (self.scheduler_input, self.detokenizer, self.tokenizer):
             if addr.startswith("ipc://"):
-                Path(addr[len("ipc://"):]).unlink(missing_ok=True)
+                Path(addr[len("ipc://") :]).unlink(missing_ok=True)
 
 
 def _open(ctx: zmq.Context, kind: int, addr: str, bind: bool) -> zmq.Socket:

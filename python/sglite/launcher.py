@@ -64,8 +64,9 @@ def _exit_with_parent(parent_pid: int, ipc: IpcNames) -> None:
     threading.Thread(target=watch, name="sglite-parent-watch", daemon=True).start()
 
 
-def _child_main(entry: Entry, server_args: ServerArgs, ipc: IpcNames, ready_conn: Any,
-                parent_pid: int) -> None:
+def _child_main(
+    entry: Entry, server_args: ServerArgs, ipc: IpcNames, ready_conn: Any, parent_pid: int
+) -> None:
     """Entry point of every child process (runs in the child)."""
     # Ctrl-C reaches the whole process group; the parent decides, and stops us with SIGTERM,
     # whose default action ends the process even while a thread is blocked in a socket.
@@ -79,9 +80,14 @@ def _child_main(entry: Entry, server_args: ServerArgs, ipc: IpcNames, ready_conn
 class ProcessGroup:
     """The scheduler and detokenizer processes of one server."""
 
-    def __init__(self, server_args: ServerArgs, ipc: IpcNames, *,
-                 scheduler_entry: Entry = SCHEDULER_ENTRY,
-                 detokenizer_entry: Entry = DETOKENIZER_ENTRY):
+    def __init__(
+        self,
+        server_args: ServerArgs,
+        ipc: IpcNames,
+        *,
+        scheduler_entry: Entry = SCHEDULER_ENTRY,
+        detokenizer_entry: Entry = DETOKENIZER_ENTRY,
+    ):
         self.server_args = server_args
         self.ipc = ipc
         self.entries = {"scheduler": scheduler_entry, "detokenizer": detokenizer_entry}
@@ -94,8 +100,12 @@ class ProcessGroup:
         ctx = mp.get_context("spawn")
         for name, entry in self.entries.items():
             parent_conn, child_conn = ctx.Pipe(duplex=False)
-            proc = ctx.Process(target=_child_main, name=f"sglite-{name}", daemon=True,
-                               args=(entry, self.server_args, self.ipc, child_conn, os.getpid()))
+            proc = ctx.Process(
+                target=_child_main,
+                name=f"sglite-{name}",
+                daemon=True,
+                args=(entry, self.server_args, self.ipc, child_conn, os.getpid()),
+            )
             proc.start()
             child_conn.close()
             self.procs[name], self._conns[name] = proc, parent_conn
@@ -123,12 +133,17 @@ class ProcessGroup:
                     del pending[name]
                     logger.info("%s ready (%.1f s)", name, time.monotonic() - t0)
                 elif not proc.is_alive():
-                    raise StartupError(f"the {name} process exited with code {proc.exitcode} "
-                                       "before it was ready (see its log above)")
+                    raise StartupError(
+                        f"the {name} process exited with code {proc.exitcode} "
+                        "before it was ready (see its log above)"
+                    )
             if pending and time.monotonic() >= next_note:
                 next_note += PROGRESS_EVERY_S
-                logger.info("still starting: waiting for %s (%.0f s so far)",
-                            " and ".join(pending), time.monotonic() - t0)
+                logger.info(
+                    "still starting: waiting for %s (%.0f s so far)",
+                    " and ".join(pending),
+                    time.monotonic() - t0,
+                )
         return infos["scheduler"]
 
     def watch(self, on_death: Callable[[str, int | None], None]) -> None:
@@ -173,9 +188,9 @@ def resolve_model(server_args: ServerArgs) -> ServerArgs:
         path = default_model_path()
     except (OSError, ValueError) as e:  # not installed, unreadable: the message says what to do
         raise StartupError(str(e)) from e
-    return server_args.replace(model_path=str(path),
-                               served_model_name=server_args.served_model_name
-                               or DEFAULT_MODEL_NAME)
+    return server_args.replace(
+        model_path=str(path), served_model_name=server_args.served_model_name or DEFAULT_MODEL_NAME
+    )
 
 
 @dataclass
@@ -193,16 +208,23 @@ class Backend:
         self.ipc.cleanup()
 
 
-def start_backend(server_args: ServerArgs, *, scheduler_entry: Entry = SCHEDULER_ENTRY,
-                  detokenizer_entry: Entry = DETOKENIZER_ENTRY) -> Backend:
+def start_backend(
+    server_args: ServerArgs,
+    *,
+    scheduler_entry: Entry = SCHEDULER_ENTRY,
+    detokenizer_entry: Entry = DETOKENIZER_ENTRY,
+) -> Backend:
     """Resolve the model, spawn the children and wait until the model is loaded."""
     server_args = resolve_model(server_args)
     ipc = IpcNames.allocate()
-    procs = ProcessGroup(server_args, ipc, scheduler_entry=scheduler_entry,
-                         detokenizer_entry=detokenizer_entry)
+    procs = ProcessGroup(
+        server_args, ipc, scheduler_entry=scheduler_entry, detokenizer_entry=detokenizer_entry
+    )
     try:
-        logger.info("loading %s (the scheduler loads the weights; this can take a while)",
-                    server_args.model_path)
+        logger.info(
+            "loading %s (the scheduler loads the weights; this can take a while)",
+            server_args.model_path,
+        )
         guess = server_args.tokenizer_path or server_args.model_path
         preload = _TokenizerPreload(guess)  # importing transformers takes seconds: overlap it
         info = procs.start()
@@ -248,16 +270,21 @@ def check_port_free(host: str, port: int) -> None:
         try:
             s.bind((host, port))
         except OSError as e:
-            raise StartupError(f"--port: cannot listen on {host}:{port} ({e.strerror}); "
-                               "pick another port") from None
+            raise StartupError(
+                f"--port: cannot listen on {host}:{port} ({e.strerror}); pick another port"
+            ) from None
 
 
 def _raise_exit(signum: int, frame: Any) -> None:
     raise SystemExit(0)
 
 
-def launch_server(server_args: ServerArgs, *, scheduler_entry: Entry = SCHEDULER_ENTRY,
-                  detokenizer_entry: Entry = DETOKENIZER_ENTRY) -> int:
+def launch_server(
+    server_args: ServerArgs,
+    *,
+    scheduler_entry: Entry = SCHEDULER_ENTRY,
+    detokenizer_entry: Entry = DETOKENIZER_ENTRY,
+) -> int:
     """Run the HTTP server until Ctrl-C / SIGTERM (exit code 0) or a child dies (1)."""
     import uvicorn
 
@@ -268,8 +295,9 @@ def launch_server(server_args: ServerArgs, *, scheduler_entry: Entry = SCHEDULER
     signal.signal(signal.SIGTERM, _raise_exit)  # uvicorn re-raises it after its shutdown
     check_port_free(server_args.host, server_args.port)
     try:
-        backend = start_backend(server_args, scheduler_entry=scheduler_entry,
-                                detokenizer_entry=detokenizer_entry)
+        backend = start_backend(
+            server_args, scheduler_entry=scheduler_entry, detokenizer_entry=detokenizer_entry
+        )
     except KeyboardInterrupt:
         logger.info("interrupted during start-up")
         return 0
@@ -277,9 +305,14 @@ def launch_server(server_args: ServerArgs, *, scheduler_entry: Entry = SCHEDULER
     try:
         args = backend.server_args
         tm = TokenizerManager(args, backend.info, backend.tokenizer, backend.ipc)
-        config = uvicorn.Config(create_app(tm), host=args.host, port=args.port,
-                                log_level=args.log_level, timeout_graceful_shutdown=3,
-                                access_log=args.log_level == "debug")
+        config = uvicorn.Config(
+            create_app(tm),
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level,
+            timeout_graceful_shutdown=3,
+            access_log=args.log_level == "debug",
+        )
         server = uvicorn.Server(config)
 
         def on_death(name: str, code: int | None) -> None:

@@ -58,7 +58,9 @@ class PrefillBudget:
         self._ps = page_size
         self._rem_input = as_size(rem_input_tokens, "rem_input_tokens") - mixed
         self._rem_chunk = (
-            None if rem_chunk_tokens is None else as_size(rem_chunk_tokens, "rem_chunk_tokens") - mixed
+            None
+            if rem_chunk_tokens is None
+            else as_size(rem_chunk_tokens, "rem_chunk_tokens") - mixed
         )
         self._total_offset = mixed
         self._current_offset = mixed

@@ -187,7 +187,9 @@ class RadixTree:
 
     def memory_bytes(self) -> int:
         """Approximate bytes held by the tree (keys, values and per-node overhead)."""
-        return sum(n.key.nbytes + n.value.nbytes + NODE_OVERHEAD_BYTES for n in self._nodes.values())
+        return sum(
+            n.key.nbytes + n.value.nbytes + NODE_OVERHEAD_BYTES for n in self._nodes.values()
+        )
 
     def dfs_weight_order(self, node_ids: Any) -> list[int]:
         """Positions of `node_ids` in DFS-weight order.
@@ -248,9 +250,13 @@ class RadixTree:
             if len(node.key) == 0 or len(node.key) % self.page_size:
                 raise RuntimeError(f"node {node.id} has a key of {len(node.key)} tokens")
             if len(node.value) != len(node.key):
-                raise RuntimeError(f"node {node.id} has {len(node.value)} slots for {len(node.key)} tokens")
+                raise RuntimeError(
+                    f"node {node.id} has {len(node.value)} slots for {len(node.key)} tokens"
+                )
             if node.lock_ref < child_locks:
-                raise RuntimeError(f"node {node.id} lock_ref {node.lock_ref} < children's {child_locks}")
+                raise RuntimeError(
+                    f"node {node.id} lock_ref {node.lock_ref} < children's {child_locks}"
+                )
             if node.lock_ref:
                 protected += len(node.key)
             else:
@@ -276,7 +282,9 @@ class RadixTree:
         while stack:
             node, depth = stack.pop()
             head = " ".join(str(int(t)) for t in node.key[:10])
-            lines.append(f"{'  ' * depth}[{node.id}] len={len(node.key)} lock={node.lock_ref} {head}")
+            lines.append(
+                f"{'  ' * depth}[{node.id}] len={len(node.key)} lock={node.lock_ref} {head}"
+            )
             for child in sorted(node.children.values(), key=lambda c: c.id, reverse=True):
                 stack.append((child, depth + 1))
         lines.append(f"#tokens: {self.total_size()}")

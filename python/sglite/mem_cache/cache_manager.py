@@ -81,7 +81,9 @@ class CacheManager:
             req.lock_node = req.match_node
         return True
 
-    def alloc_extend(self, reqs: list[Req], starts: list[int], ends: list[int]) -> np.ndarray | None:
+    def alloc_extend(
+        self, reqs: list[Req], starts: list[int], ends: list[int]
+    ) -> np.ndarray | None:
         """Slots for positions [start, end) of each request (rows must exist)."""
         rows = np.fromiter((r.row for r in reqs), np.int64, len(reqs))
         start = np.asarray(starts, dtype=np.int64)
@@ -146,7 +148,9 @@ class CacheManager:
         if insert:
             self.checkpoint(req, min(req.kv_len, req.fill_len))
         if req.alloc_len > req.cached_len:
-            self.allocator.free(self.table[req.row, req.cached_len : req.alloc_len].astype(np.int64))
+            self.allocator.free(
+                self.table[req.row, req.cached_len : req.alloc_len].astype(np.int64)
+            )
         if req.lock_node is not None:
             self.tree.unlock(req.lock_node)
         self.req_to_token_pool.free([req.row])

@@ -71,7 +71,11 @@ class SchedulePolicy:
             queue.sort(key=response_ratio)
         elif policy == "shortest-prefill-first":
             queue.sort(
-                key=lambda r: (id(r) in deprioritized, max(1, r.fill_len - r.match_len), r.arrival_time)
+                key=lambda r: (
+                    id(r) in deprioritized,
+                    max(1, r.fill_len - r.match_len),
+                    r.arrival_time,
+                )
             )
 
     def _in_queue_check(self, queue: list[Req]) -> set[int]:

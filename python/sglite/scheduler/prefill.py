@@ -58,7 +58,10 @@ class PrefillManager:
             adder.add_chunked(chunked)
         verdict = s.core.AddReqResult.CONTINUE
         for req in s.waiting:
-            if verdict != s.core.AddReqResult.CONTINUE or len(adder.entries) - (chunked is not None) >= free_rows:
+            if (
+                verdict != s.core.AddReqResult.CONTINUE
+                or len(adder.entries) - (chunked is not None) >= free_rows
+            ):
                 break
             before = len(adder.entries)
             verdict = adder.add_one(req)

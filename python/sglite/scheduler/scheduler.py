@@ -145,12 +145,16 @@ class Scheduler:
         if not req.input_ids:
             error = "the prompt is empty"
         elif need > self.context_length:
-            error = (f"prompt ({len(req.input_ids)} tokens) + max_new_tokens "
-                     f"({req.max_new_tokens}) exceeds the context length {self.context_length}")
+            error = (
+                f"prompt ({len(req.input_ids)} tokens) + max_new_tokens "
+                f"({req.max_new_tokens}) exceeds the context length {self.context_length}"
+            )
         elif need + self.args.page_size > self.cache.allocator.capacity():
-            error = (f"prompt ({len(req.input_ids)} tokens) + max_new_tokens "
-                     f"({req.max_new_tokens}) can never fit in the KV cache "
-                     f"({self.cache.allocator.capacity()} tokens)")
+            error = (
+                f"prompt ({len(req.input_ids)} tokens) + max_new_tokens "
+                f"({req.max_new_tokens}) can never fit in the KV cache "
+                f"({self.cache.allocator.capacity()} tokens)"
+            )
         if error is not None:
             self.counters["num_rejected_reqs"] += 1
             self.finish(req, {"type": "abort", "message": error, "status_code": 400})

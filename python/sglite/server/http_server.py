@@ -42,8 +42,11 @@ _UNION_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
 
 
 def _field_path(loc: tuple[Any, ...]) -> str:
-    parts = [str(x) if not isinstance(x, int) else f"[{x}]" for x in loc
-             if not (isinstance(x, str) and (x in _UNION_TAGS or "[" in x or "-" in x))]
+    parts = [
+        str(x) if not isinstance(x, int) else f"[{x}]"
+        for x in loc
+        if not (isinstance(x, str) and (x in _UNION_TAGS or "[" in x or "-" in x))
+    ]
     return ".".join(parts).replace(".[", "[")
 
 
@@ -97,22 +100,26 @@ def create_app(tm: TokenizerManager) -> FastAPI:
 
     @app.exception_handler(RequestError)
     async def _on_request_error(request: Request, exc: RequestError) -> JSONResponse:
-        return JSONResponse(error_body(exc.message, exc.status_code, exc.param),
-                            status_code=exc.status_code)
+        return JSONResponse(
+            error_body(exc.message, exc.status_code, exc.param), status_code=exc.status_code
+        )
 
     # ------------------------------------------------------------------ native
     @app.post("/generate")
     async def generate(request: Request) -> Any:
         req = await parse_body(request, GenerateRequest)
         if req.return_logprob:
-            raise RequestError("return_logprob: not supported by this server",
-                               param="return_logprob")
-        prompts, is_batch = tm.inputs.prepare_generate(req.text, req.input_ids, req.sampling_params,
-                                                req.rid)
+            raise RequestError(
+                "return_logprob: not supported by this server", param="return_logprob"
+            )
+        prompts, is_batch = tm.inputs.prepare_generate(
+            req.text, req.input_ids, req.sampling_params, req.rid
+        )
         if req.stream:
             states = await tm.submit(prompts, stream=True)
-            return StreamingResponse(_generate_events(states, is_batch),
-                                     media_type="text/event-stream")
+            return StreamingResponse(
+                _generate_events(states, is_batch), media_type="text/event-stream"
+            )
         outputs = await tm.collect(prompts, request.is_disconnected)
         return outputs if is_batch else outputs[0]
 
@@ -141,8 +148,9 @@ def create_app(tm: TokenizerManager) -> FastAPI:
             async with asyncio.timeout(HEALTH_TIMEOUT_S):
                 outputs = await tm.collect([prompt])
         except TimeoutError:
-            raise RequestError("the scheduler produced no output within "
-                               f"{HEALTH_TIMEOUT_S:.0f} s", 503) from None
+            raise RequestError(
+                f"the scheduler produced no output within {HEALTH_TIMEOUT_S:.0f} s", 503
+            ) from None
         if outputs[0]["meta_info"]["finish_reason"]["type"] == "abort":
             raise RequestError("the health-check request was aborted", 503)
         return Response(status_code=200)
@@ -150,26 +158,36 @@ def create_app(tm: TokenizerManager) -> FastAPI:
     @app.get("/get_model_info")
     async def get_model_info() -> dict[str, Any]:
         info = tm.model_info
-        return {"model_path": tm.server_args.model_path,
-                "tokenizer_path": info.get("tokenizer_path"),
-                "served_model_name": tm.served_model_name, "is_generation": True,
-                "context_length": tm.context_length, "vocab_size": tm.vocab_size,
-                "max_total_tokens": info.get("max_total_tokens")}
+        return {
+            "model_path": tm.server_args.model_path,
+            "tokenizer_path": info.get("tokenizer_path"),
+            "served_model_name": tm.served_model_name,
+            "is_generation": True,
+            "context_length": tm.context_length,
+            "vocab_size": tm.vocab_size,
+            "max_total_tokens": info.get("max_total_tokens"),
+        }
 
     @app.get("/get_server_info")
     async def get_server_info() -> dict[str, Any]:
         stats = await tm.get_stats()
-        return {"version": __version__, "server_args": tm.server_args.to_dict(),
-                "model_info": tm.model_info,
-                "tree_core": stats.get("tree_core") or tm.model_info.get("tree_core"),
-                "scheduler_stats": stats}
+        return {
+            "version": __version__,
+            "server_args": tm.server_args.to_dict(),
+            "model_info": tm.model_info,
+            "tree_core": stats.get("tree_core") or tm.model_info.get("tree_core"),
+            "scheduler_stats": stats,
+        }
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache() -> Response:
         resp = await tm.flush_cache()
         if not resp.success:
-            raise RequestError(resp.message or "the cache cannot be flushed while requests "
-                               "are running; retry when idle", 400)
+            raise RequestError(
+                resp.message
+                or "the cache cannot be flushed while requests are running; retry when idle",
+                400,
+            )
         return PlainTextResponse("Cache flushed.\n")
 
     @app.post("/abort_request")
@@ -191,10 +209,19 @@ def create_app(tm: TokenizerManager) -> FastAPI:
     # ------------------------------------------------------------------ OpenAI
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:
-        return {"object": "list", "data": [{
-            "id": tm.served_model_name, "object": "model", "created": int(time.time()),
-            "owned_by": "sglite", "root": tm.server_args.model_path,
-            "max_model_len": tm.context_length}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": tm.served_model_name,
+                    "object": "model",
+                    "created": int(time.time()),
+                    "owned_by": "sglite",
+                    "root": tm.server_args.model_path,
+                    "max_model_len": tm.context_length,
+                }
+            ],
+        }
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
@@ -212,11 +239,13 @@ def create_app(tm: TokenizerManager) -> FastAPI:
             return await _openai_stream(prompts, lens, req, chat=True)
         return await openai_api.chat(tm, req, request.is_disconnected)
 
-    async def _openai_stream(prompts: list[Prompt], lens: list[int], req: Any, *,
-                             chat: bool) -> StreamingResponse:
+    async def _openai_stream(
+        prompts: list[Prompt], lens: list[int], req: Any, *, chat: bool
+    ) -> StreamingResponse:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        events = await openai_api.stream_openai(tm, prompts, lens, chat=chat,
-                                                include_usage=include_usage)
+        events = await openai_api.stream_openai(
+            tm, prompts, lens, chat=chat, include_usage=include_usage
+        )
         return StreamingResponse(events, media_type="text/event-stream")
 
     return app

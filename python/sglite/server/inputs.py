@@ -40,9 +40,16 @@ class Prompt:
 class InputProcessor:
     """Tokenizes and validates prompts and sampling parameters for one model."""
 
-    def __init__(self, tokenizer: Any, *, context_length: int, vocab_size: int,
-                 max_total_tokens: int | None = None, page_size: int = 1,
-                 is_rid_free: Callable[[str], bool] = lambda rid: True):
+    def __init__(
+        self,
+        tokenizer: Any,
+        *,
+        context_length: int,
+        vocab_size: int,
+        max_total_tokens: int | None = None,
+        page_size: int = 1,
+        is_rid_free: Callable[[str], bool] = lambda rid: True,
+    ):
         self.tokenizer = tokenizer
         self.context_length = context_length
         self.vocab_size = vocab_size
@@ -67,14 +74,17 @@ class InputProcessor:
 
     def apply_chat_template(self, messages: list[dict[str, Any]]) -> tuple[str, list[int]]:
         if not getattr(self.tokenizer, "chat_template", None):
-            raise RequestError("messages: this model has no chat template; use /v1/completions",
-                               param="messages")
+            raise RequestError(
+                "messages: this model has no chat template; use /v1/completions", param="messages"
+            )
         try:
             text = self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True)
+                messages, tokenize=False, add_generation_prompt=True
+            )
         except Exception as e:  # jinja errors: unsupported role order, ...
-            raise RequestError(f"messages: the chat template rejected them ({e})",
-                               param="messages") from e
+            raise RequestError(
+                f"messages: the chat template rejected them ({e})", param="messages"
+            ) from e
         return text, list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def check_ids(self, ids: Any, param: str) -> list[int]:
@@ -82,12 +92,16 @@ class InputProcessor:
             raise RequestError(f"{param} must be a non-empty list of token ids", param=param)
         for j, t in enumerate(ids):
             if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size:
-                raise RequestError(f"{param}[{j}] = {t!r} is not a token id in "
-                                   f"[0, {self.vocab_size})", param=param)
+                raise RequestError(
+                    f"{param}[{j}] = {t!r} is not a token id in [0, {self.vocab_size})", param=param
+                )
         return ids
 
-    def sampling_params(self, data: Any, param: str | None = "sampling_params",
-                        ) -> tuple[SamplingParams, int]:
+    def sampling_params(
+        self,
+        data: Any,
+        param: str | None = "sampling_params",
+    ) -> tuple[SamplingParams, int]:
         """Build SamplingParams (and the `n` of parallel sampling) from a request dict;
         `param` prefixes error messages (None: the keys are top-level request fields)."""
         if data is not None and not isinstance(data, dict):
@@ -105,28 +119,46 @@ class InputProcessor:
             raise RequestError(f"{param}: {e}" if param else str(e), param=param) from e
         return sp, n
 
-    def check_length(self, prompt_len: int, sp: SamplingParams, param: str,
-                     max_param: str = "max_new_tokens") -> None:
+    def check_length(
+        self, prompt_len: int, sp: SamplingParams, param: str, max_param: str = "max_new_tokens"
+    ) -> None:
         ctx, cap = self.context_length, self.max_total_tokens
         if prompt_len >= ctx:
-            raise RequestError(f"{param}: the prompt has {prompt_len} tokens; the model's "
-                               f"context length is {ctx} tokens (prompt and output together)",
-                               param=param)
+            raise RequestError(
+                f"{param}: the prompt has {prompt_len} tokens; the model's "
+                f"context length is {ctx} tokens (prompt and output together)",
+                param=param,
+            )
         limit = self.max_new_tokens_limit(prompt_len)
         if limit < 1:
-            raise RequestError(f"{param}: the prompt has {prompt_len} tokens but the KV cache "
-                               f"holds only {cap}", param=param)
+            raise RequestError(
+                f"{param}: the prompt has {prompt_len} tokens but the KV cache holds only {cap}",
+                param=param,
+            )
         if sp.max_new_tokens > limit:
-            where = (f"the model's context length ({ctx} tokens)" if prompt_len + sp.max_new_tokens
-                     > ctx else f"the KV cache ({cap} tokens)")
+            where = (
+                f"the model's context length ({ctx} tokens)"
+                if prompt_len + sp.max_new_tokens > ctx
+                else f"the KV cache ({cap} tokens)"
+            )
             raise RequestError(
                 f"{max_param}: the prompt ({prompt_len} tokens) plus {max_param} "
                 f"({sp.max_new_tokens}) does not fit in {where}; ask for at most {limit} new "
-                "tokens", param=max_param)
+                "tokens",
+                param=max_param,
+            )
 
-    def make_prompts(self, ids: list[int], sp: SamplingParams, n: int, *, param: str,
-                     text: str | None = None, rid: str | None = None,
-                     max_param: str = "max_new_tokens") -> list[Prompt]:
+    def make_prompts(
+        self,
+        ids: list[int],
+        sp: SamplingParams,
+        n: int,
+        *,
+        param: str,
+        text: str | None = None,
+        rid: str | None = None,
+        max_param: str = "max_new_tokens",
+    ) -> list[Prompt]:
         """n validated copies of one prompt (distinct seeds when a seed is given)."""
         self.check_length(len(ids), sp, param, max_param)
         if rid is not None and (not self.is_rid_free(rid) or not isinstance(rid, str) or not rid):
@@ -138,9 +170,13 @@ class InputProcessor:
             out.append(Prompt(base if n == 1 else f"{base}_{i}", ids, sp_i, text))
         return out
 
-    def prepare_generate(self, text: Any = None, input_ids: Any = None,
-                         sampling_params: Any = None, rid: Any = None,
-                         ) -> tuple[list[Prompt], bool]:
+    def prepare_generate(
+        self,
+        text: Any = None,
+        input_ids: Any = None,
+        sampling_params: Any = None,
+        rid: Any = None,
+    ) -> tuple[list[Prompt], bool]:
         """Validate a native /generate (or Engine.generate) call: (prompts, is_batch)."""
         if (text is None) == (input_ids is None):
             raise RequestError("exactly one of text and input_ids must be given", param="text")
@@ -149,8 +185,11 @@ class InputProcessor:
             items = text if is_batch else [text]
             param = "text"
         else:
-            is_batch = isinstance(input_ids, list) and bool(input_ids) and all(
-                isinstance(x, list) for x in input_ids)
+            is_batch = (
+                isinstance(input_ids, list)
+                and bool(input_ids)
+                and all(isinstance(x, list) for x in input_ids)
+            )
             items = input_ids if is_batch else [input_ids]
             param = "input_ids"
         if not items:
@@ -164,8 +203,9 @@ class InputProcessor:
             where = f"{param}[{i}]" if is_batch else param
             ids = self.tokenize(item, where) if text is not None else self.check_ids(item, where)
             sp, n = self.sampling_params(sp_dict)
-            prompts += self.make_prompts(ids, sp, n, param=where, rid=r,
-                                         text=item if text is not None else None)
+            prompts += self.make_prompts(
+                ids, sp, n, param=where, rid=r, text=item if text is not None else None
+            )
         if len({p.rid for p in prompts}) != len(prompts):
             raise RequestError("rid: request ids must be unique", param="rid")
         return prompts, is_batch or len(prompts) > 1
@@ -176,6 +216,7 @@ def _per_item(value: Any, count: int, name: str) -> list[Any]:
     if not isinstance(value, list):
         return [value] * count
     if len(value) != count:
-        raise RequestError(f"{name} must have one entry per prompt ({count}), got {len(value)}",
-                           param=name)
+        raise RequestError(
+            f"{name} must have one entry per prompt ({count}), got {len(value)}", param=name
+        )
     return value

@@ -15,8 +15,26 @@ from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE  # noqa: F401 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 THROUGHPUT_WINDOW_S = 10.0
-_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
-                    7.5, 10.0, 20.0, 40.0, 80.0)
+_LATENCY_BUCKETS = (
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
 _GAUGES = {
     "num_running_reqs": "Requests in the running batch.",
     "num_waiting_reqs": "Requests waiting to be scheduled.",
@@ -39,15 +57,18 @@ class ServerMetrics:
             return Gauge(f"sglite:{name}", doc, names, registry=r).labels(**labels)
 
         def hist(name: str, doc: str) -> Any:
-            return Histogram(f"sglite:{name}", doc, names, buckets=_LATENCY_BUCKETS,
-                             registry=r).labels(**labels)
+            return Histogram(
+                f"sglite:{name}", doc, names, buckets=_LATENCY_BUCKETS, registry=r
+            ).labels(**labels)
 
         def counter(name: str, doc: str) -> Any:
             return Counter(f"sglite:{name}", doc, names, registry=r).labels(**labels)
 
         self.gauges = {k: gauge(k, doc) for k, doc in _GAUGES.items()}
-        self.gen_throughput = gauge("gen_throughput", "Generated tokens per second "
-                                    f"over the last {THROUGHPUT_WINDOW_S:.0f} s.")
+        self.gen_throughput = gauge(
+            "gen_throughput",
+            f"Generated tokens per second over the last {THROUGHPUT_WINDOW_S:.0f} s.",
+        )
         self.ttft = hist("time_to_first_token_seconds", "Time to first token.")
         self.itl = hist("inter_token_latency_seconds", "Time between output tokens.")
         self.e2e = hist("e2e_request_latency_seconds", "End-to-end request latency.")

@@ -46,26 +46,34 @@ def check_model(tm: TokenizerManager, model: str) -> None:
     """The served name, the model path, or "default" (what many OpenAI examples send)."""
     names = {tm.served_model_name, tm.server_args.model_path, "default"}
     if model not in names:
-        raise RequestError(f"model: unknown model {model!r}; this server serves "
-                           f"{tm.served_model_name!r}", param="model", status_code=400)
+        raise RequestError(
+            f"model: unknown model {model!r}; this server serves {tm.served_model_name!r}",
+            param="model",
+            status_code=400,
+        )
 
 
 def _usage(prompt_lens: list[int], outputs: list[dict[str, Any]]) -> UsageInfo:
     prompt = sum(prompt_lens)
     completion = sum(o["meta_info"]["completion_tokens"] for o in outputs)
     cached = sum(o["meta_info"]["cached_tokens"] for o in outputs)
-    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion,
-                     total_tokens=prompt + completion,
-                     prompt_tokens_details={"cached_tokens": cached})
+    return UsageInfo(
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
+        prompt_tokens_details={"cached_tokens": cached},
+    )
 
 
-def _prompts_for(tm: TokenizerManager, req: CompletionRequest | ChatCompletionRequest,
-                 token_lists: list[tuple[list[int], str | None, str]],
-                 max_tokens: int | None, max_param: str = "max_tokens",
-                 ) -> tuple[list[Prompt], list[int]]:
+def _prompts_for(
+    tm: TokenizerManager,
+    req: CompletionRequest | ChatCompletionRequest,
+    token_lists: list[tuple[list[int], str | None, str]],
+    max_tokens: int | None,
+    max_param: str = "max_tokens",
+) -> tuple[list[Prompt], list[int]]:
     if req.stream_options is not None and not req.stream:
-        raise RequestError("stream_options: only allowed with stream=true",
-                           param="stream_options")
+        raise RequestError("stream_options: only allowed with stream=true", param="stream_options")
     prompts: list[Prompt] = []
     for i, (ids, text, param) in enumerate(token_lists):
         budget = max_tokens  # none given: as many as fit (OpenAI's chat default)
@@ -73,13 +81,16 @@ def _prompts_for(tm: TokenizerManager, req: CompletionRequest | ChatCompletionRe
             budget = max(tm.inputs.max_new_tokens_limit(len(ids)), 0)
         sp, n = tm.inputs.sampling_params(req.sampling_dict(budget), param=None)
         rid = req.rid if req.rid is None or len(token_lists) == 1 else f"{req.rid}_{i}"
-        prompts += tm.inputs.make_prompts(ids, sp, n, param=param, text=text, rid=rid,
-                                          max_param=max_param)
+        prompts += tm.inputs.make_prompts(
+            ids, sp, n, param=param, text=text, rid=rid, max_param=max_param
+        )
     return prompts, [len(ids) for ids, _, _ in token_lists]
 
 
-def completion_prompts(tm: TokenizerManager, req: CompletionRequest,
-                       ) -> tuple[list[Prompt], list[int]]:
+def completion_prompts(
+    tm: TokenizerManager,
+    req: CompletionRequest,
+) -> tuple[list[Prompt], list[int]]:
     check_model(tm, req.model)
     if req.logprobs is not None:
         raise RequestError("logprobs: not supported by this server", param="logprobs")
@@ -110,15 +121,18 @@ def _message_dict(m: Any, i: int) -> dict[str, Any]:
         parts = []
         for part in content:
             if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise RequestError(f"messages[{i}].content: only text parts are supported",
-                                   param="messages")
+                raise RequestError(
+                    f"messages[{i}].content: only text parts are supported", param="messages"
+                )
             parts.append(part["text"])
         content = "".join(parts)
     return {"role": m.role, "content": content or ""}
 
 
-def chat_prompts(tm: TokenizerManager, req: ChatCompletionRequest,
-                 ) -> tuple[list[Prompt], list[int]]:
+def chat_prompts(
+    tm: TokenizerManager,
+    req: ChatCompletionRequest,
+) -> tuple[list[Prompt], list[int]]:
     check_model(tm, req.model)
     if req.logprobs:
         raise RequestError("logprobs: not supported by this server", param="logprobs")
@@ -133,36 +147,51 @@ def chat_prompts(tm: TokenizerManager, req: ChatCompletionRequest,
     return _prompts_for(tm, req, [(ids, text, "messages")], max_tokens, max_param)
 
 
-async def completions(tm: TokenizerManager, req: CompletionRequest,
-                      is_disconnected: IsDisconnected | None) -> dict[str, Any]:
+async def completions(
+    tm: TokenizerManager, req: CompletionRequest, is_disconnected: IsDisconnected | None
+) -> dict[str, Any]:
     prompts, lens = completion_prompts(tm, req)
     outputs = await tm.collect(prompts, is_disconnected)
-    choices = [CompletionChoice(index=i, text=o["text"],
-                                finish_reason=finish_reason_name(o["meta_info"]["finish_reason"]),
-                                matched_stop=matched_stop(o["meta_info"]["finish_reason"]))
-               for i, o in enumerate(outputs)]
-    return CompletionResponse(model=tm.served_model_name, choices=choices,
-                              usage=_usage(lens, outputs)).model_dump()
+    choices = [
+        CompletionChoice(
+            index=i,
+            text=o["text"],
+            finish_reason=finish_reason_name(o["meta_info"]["finish_reason"]),
+            matched_stop=matched_stop(o["meta_info"]["finish_reason"]),
+        )
+        for i, o in enumerate(outputs)
+    ]
+    return CompletionResponse(
+        model=tm.served_model_name, choices=choices, usage=_usage(lens, outputs)
+    ).model_dump()
 
 
-async def chat(tm: TokenizerManager, req: ChatCompletionRequest,
-               is_disconnected: IsDisconnected | None) -> dict[str, Any]:
+async def chat(
+    tm: TokenizerManager, req: ChatCompletionRequest, is_disconnected: IsDisconnected | None
+) -> dict[str, Any]:
     prompts, lens = chat_prompts(tm, req)
     outputs = await tm.collect(prompts, is_disconnected)
-    choices = [ChatChoice(index=i, message=ChatMessageOut(content=o["text"]),
-                          finish_reason=finish_reason_name(o["meta_info"]["finish_reason"]),
-                          matched_stop=matched_stop(o["meta_info"]["finish_reason"]))
-               for i, o in enumerate(outputs)]
-    return ChatCompletionResponse(model=tm.served_model_name, choices=choices,
-                                  usage=_usage(lens, outputs)).model_dump()
+    choices = [
+        ChatChoice(
+            index=i,
+            message=ChatMessageOut(content=o["text"]),
+            finish_reason=finish_reason_name(o["meta_info"]["finish_reason"]),
+            matched_stop=matched_stop(o["meta_info"]["finish_reason"]),
+        )
+        for i, o in enumerate(outputs)
+    ]
+    return ChatCompletionResponse(
+        model=tm.served_model_name, choices=choices, usage=_usage(lens, outputs)
+    ).model_dump()
 
 
 def sse(data: Any) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
-async def stream_openai(tm: TokenizerManager, prompts: list[Prompt], lens: list[int], *,
-                        chat: bool, include_usage: bool) -> AsyncIterator[str]:
+async def stream_openai(
+    tm: TokenizerManager, prompts: list[Prompt], lens: list[int], *, chat: bool, include_usage: bool
+) -> AsyncIterator[str]:
     """Submit, then yield SSE events of text deltas; ends with `data: [DONE]`.
 
     Submission happens before the first yield so a refused request is an HTTP error."""
@@ -170,8 +199,9 @@ async def stream_openai(tm: TokenizerManager, prompts: list[Prompt], lens: list[
     return _stream_events(tm, states, lens, chat=chat, include_usage=include_usage)
 
 
-async def _stream_events(tm: TokenizerManager, states: list[Any], lens: list[int], *,
-                         chat: bool, include_usage: bool) -> AsyncIterator[str]:
+async def _stream_events(
+    tm: TokenizerManager, states: list[Any], lens: list[int], *, chat: bool, include_usage: bool
+) -> AsyncIterator[str]:
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     created, model = int(time.time()), tm.served_model_name
     sent = [0] * len(states)
@@ -181,11 +211,21 @@ async def _stream_events(tm: TokenizerManager, states: list[Any], lens: list[int
         fr, ms = finish_reason_name(reason), matched_stop(reason)
         if chat:
             delta = ChatDelta(role="assistant" if first else None, content=text)
-            c: Any = ChatCompletionChunk(id=rid, created=created, model=model, choices=[
-                ChatStreamChoice(index=i, delta=delta, finish_reason=fr, matched_stop=ms)])
+            c: Any = ChatCompletionChunk(
+                id=rid,
+                created=created,
+                model=model,
+                choices=[ChatStreamChoice(index=i, delta=delta, finish_reason=fr, matched_stop=ms)],
+            )
         else:
-            c = CompletionChunk(id=rid, created=created, model=model, choices=[
-                CompletionChoice(index=i, text=text or "", finish_reason=fr, matched_stop=ms)])
+            c = CompletionChunk(
+                id=rid,
+                created=created,
+                model=model,
+                choices=[
+                    CompletionChoice(index=i, text=text or "", finish_reason=fr, matched_stop=ms)
+                ],
+            )
         return sse(c.model_dump(exclude_none=chat))
 
     try:
@@ -197,7 +237,7 @@ async def _stream_events(tm: TokenizerManager, states: list[Any], lens: list[int
             if reason and reason.get("type") == "abort" and reason.get("status_code"):
                 yield sse(error_body(str(reason.get("message")), int(reason["status_code"])))
                 continue
-            delta = out["text"][sent[i]:]
+            delta = out["text"][sent[i] :]
             sent[i] = len(out["text"])
             if delta or reason is not None:
                 yield chunk(i, delta, reason, False)
@@ -206,8 +246,11 @@ async def _stream_events(tm: TokenizerManager, states: list[Any], lens: list[int
         if include_usage and all(finals):
             usage = _usage(lens, finals)
             cls: Any = ChatCompletionChunk if chat else CompletionChunk
-            yield sse(cls(id=rid, created=created, model=model, choices=[],
-                          usage=usage).model_dump(exclude_none=True))
+            yield sse(
+                cls(id=rid, created=created, model=model, choices=[], usage=usage).model_dump(
+                    exclude_none=True
+                )
+            )
         yield "data: [DONE]\n\n"
     except RequestError as e:
         yield sse(error_body(e.message, e.status_code, e.param))

@@ -79,8 +79,15 @@ class ReqState:
 class TokenizerManager:
     """The main process's side of the scheduler/detokenizer pipeline (see module doc)."""
 
-    def __init__(self, server_args: Any, model_info: dict[str, Any], tokenizer: Any,
-                 ipc: IpcNames, *, max_inflight: int = MAX_INFLIGHT_REQUESTS):
+    def __init__(
+        self,
+        server_args: Any,
+        model_info: dict[str, Any],
+        tokenizer: Any,
+        ipc: IpcNames,
+        *,
+        max_inflight: int = MAX_INFLIGHT_REQUESTS,
+    ):
         self.server_args = server_args
         self.model_info = model_info
         self.tokenizer = tokenizer
@@ -93,12 +100,18 @@ class TokenizerManager:
         self.metrics = ServerMetrics(self.served_model_name)
         self.states: dict[str, ReqState] = {}
         self.inputs = InputProcessor(
-            tokenizer, context_length=self.context_length, vocab_size=self.vocab_size,
-            max_total_tokens=self.max_total_tokens, page_size=server_args.page_size,
-            is_rid_free=lambda r: r not in self.states)
+            tokenizer,
+            context_length=self.context_length,
+            vocab_size=self.vocab_size,
+            max_total_tokens=self.max_total_tokens,
+            page_size=server_args.page_size,
+            is_rid_free=lambda r: r not in self.states,
+        )
         self.dead_reason: str | None = None  # set when a child process died
         self._waiters: dict[type, deque[asyncio.Future]] = {
-            FlushCacheResp: deque(), StatsResp: deque()}
+            FlushCacheResp: deque(),
+            StatsResp: deque(),
+        }
         self._recv_task: asyncio.Task | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
 
@@ -199,33 +212,51 @@ class TokenizerManager:
         if self.dead_reason is not None:
             raise RequestError(f"the server is shutting down: {self.dead_reason}", 503)
         if len(self.states) + len(prompts) > self.max_inflight:
-            raise RequestError(f"the server is overloaded ({len(self.states)} requests in "
-                               f"flight, limit {self.max_inflight}); retry later", 503)
+            raise RequestError(
+                f"the server is overloaded ({len(self.states)} requests in "
+                f"flight, limit {self.max_inflight}); retry later",
+                503,
+            )
         notify = asyncio.Event()
         states = [ReqState(p.rid, len(p.input_ids), stream, notify) for p in prompts]
         for state in states:
             self.states[state.rid] = state
         try:
             for p in prompts:
-                await self._send_retrying(GenerateReq(p.rid, p.input_ids, p.sampling_params,
-                                                      stream=stream, input_text=p.input_text))
+                await self._send_retrying(
+                    GenerateReq(
+                        p.rid,
+                        p.input_ids,
+                        p.sampling_params,
+                        stream=stream,
+                        input_text=p.input_text,
+                    )
+                )
         except BaseException:
             for state in states:
                 self._abort_one(state.rid)
             raise
         return states
 
-    async def run(self, prompts: Sequence[Prompt], *, stream: bool,
-                  is_disconnected: Callable[[], Awaitable[bool]] | None = None,
-                  ) -> AsyncIterator[tuple[int, dict[str, Any]]]:
+    async def run(
+        self,
+        prompts: Sequence[Prompt],
+        *,
+        stream: bool,
+        is_disconnected: Callable[[], Awaitable[bool]] | None = None,
+    ) -> AsyncIterator[tuple[int, dict[str, Any]]]:
         """submit() then follow()."""
         states = await self.submit(prompts, stream)
         async for item in self.follow(states, stream=stream, is_disconnected=is_disconnected):
             yield item
 
-    async def follow(self, states: list[ReqState], *, stream: bool,
-                     is_disconnected: Callable[[], Awaitable[bool]] | None = None,
-                     ) -> AsyncIterator[tuple[int, dict[str, Any]]]:
+    async def follow(
+        self,
+        states: list[ReqState],
+        *,
+        stream: bool,
+        is_disconnected: Callable[[], Awaitable[bool]] | None = None,
+    ) -> AsyncIterator[tuple[int, dict[str, Any]]]:
         """Yield (index, cumulative output) as outputs arrive (only final outputs unless
         `stream`). Unfinished requests are aborted if the caller stops iterating."""
         seen = [0] * len(states)
@@ -245,9 +276,11 @@ class TokenizerManager:
                 if not s.finished:  # the caller went away
                     self._abort_one(s.rid)
 
-    async def collect(self, prompts: Sequence[Prompt],
-                      is_disconnected: Callable[[], Awaitable[bool]] | None = None,
-                      ) -> list[dict[str, Any]]:
+    async def collect(
+        self,
+        prompts: Sequence[Prompt],
+        is_disconnected: Callable[[], Awaitable[bool]] | None = None,
+    ) -> list[dict[str, Any]]:
         """Run to completion: the final output of each prompt, in order. A request the
         scheduler refused (an abort with an HTTP status) raises RequestError."""
         outputs: list[dict[str, Any]] = [{} for _ in prompts]
@@ -257,8 +290,9 @@ class TokenizerManager:
             raise_if_failed(out)
         return outputs
 
-    async def _wait(self, event: asyncio.Event,
-                    is_disconnected: Callable[[], Awaitable[bool]] | None) -> None:
+    async def _wait(
+        self, event: asyncio.Event, is_disconnected: Callable[[], Awaitable[bool]] | None
+    ) -> None:
         if is_disconnected is None:
             await event.wait()
             return

@@ -84,8 +84,14 @@ impl PageAllocator {
             return Ok(None);
         }
         let mut out = Vec::with_capacity(num_tokens);
-        for page in self.take(num_pages) {
-            push_page(&mut out, page, ps);
+        let pages = self.take(num_pages);
+        if ps == 1 {
+            out.extend(pages.map(i64::from));
+        } else {
+            for page in pages {
+                let base = i64::from(page) * ps as i64;
+                out.extend(base..base + ps as i64);
+            }
         }
         Ok(Some(out))
     }
@@ -99,7 +105,13 @@ impl PageAllocator {
         if let Some(&s) = slots.iter().find(|&&s| s < ps || s >= end) {
             return bad(format!("slot {s} is not in the pool (valid slots: {ps}..{})", end - 1));
         }
-        let mut pages: Vec<u32> = slots.iter().map(|&s| (s / ps) as u32).collect();
+        // Slots are in 0..2^32 pages * page_size here; a shift beats a division per slot.
+        let mut pages: Vec<u32> = if self.page_size.is_power_of_two() {
+            let shift = self.page_size.trailing_zeros();
+            slots.iter().map(|&s| (s as u64 >> shift) as u32).collect()
+        } else {
+            slots.iter().map(|&s| (s as u64 / ps as u64) as u32).collect()
+        };
         if !pages.is_sorted() {
             pages.sort_unstable();
         }
@@ -165,8 +177,12 @@ impl PageAllocator {
             let n1 = s.min(ceil_div(p, ps) * ps) - p;
             out.extend(last + 1..last + 1 + n1);
             let mut rest = s - p - n1;
-            for _ in 0..need(i) {
-                let page = pages.next().unwrap_or(0);
+            let fresh = pages.by_ref().take(need(i) as usize);
+            if ps == 1 {
+                out.extend(fresh.map(i64::from));
+                continue;
+            }
+            for page in fresh {
                 let base = i64::from(page) * ps;
                 let take = rest.min(ps);
                 out.extend(base..base + take);
@@ -219,11 +235,6 @@ impl PageAllocator {
         }
         self.free.extend(pages);
     }
-}
-
-fn push_page(out: &mut Vec<i64>, page: u32, ps: usize) {
-    let base = i64::from(page) * ps as i64;
-    out.extend(base..base + ps as i64);
 }
 
 fn ceil_div(a: i64, b: i64) -> i64 {
