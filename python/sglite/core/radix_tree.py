@@ -76,8 +76,7 @@ class RadixTree:
         self._reset_state()
 
     # ---------------------------------------------------------------- public API
-    def reset(self) -> None:
-        """Drop every node; ids keep counting so pre-reset ids become stale."""
+    def reset(self) -> None:  # ids keep counting: pre-reset ids become stale
         self._reset_state()
 
     def match_prefix(self, tokens: Any, extra_key: str | None = None) -> tuple[np.ndarray, int]:
@@ -181,8 +180,7 @@ class RadixTree:
     def total_size(self) -> int:
         return self._evictable + self._protected
 
-    def node_count(self) -> int:
-        """Number of nodes, not counting the root."""
+    def node_count(self) -> int:  # not counting the root
         return len(self._nodes) - 1
 
     def memory_bytes(self) -> int:
