@@ -226,7 +226,9 @@ class TreeCoreParity(RuleBasedStateMachine):
         if own is None:
             self.tree.call("unlock", node)
             return
-        self.requests.append(Request(list(tokens), np.concatenate([prefix, own]), len(prefix), node, ns))
+        self.requests.append(
+            Request(list(tokens), np.concatenate([prefix, own]), len(prefix), node, ns)
+        )
 
     def decode(self, req: Request, token: int) -> None:
         new = self.alloc_or_evict("alloc_decode", [len(req.tokens) + 1], [int(req.slots[-1])])
@@ -317,7 +319,9 @@ class TreeCoreParity(RuleBasedStateMachine):
     @precondition(lambda self: self.extra_locks)
     @rule(i=st.integers(0, 10))
     def unlock_some_node(self, i: int) -> None:
-        assert not isinstance(self.tree.call("unlock", self.extra_locks.pop(i % len(self.extra_locks))), Failed)
+        assert not isinstance(
+            self.tree.call("unlock", self.extra_locks.pop(i % len(self.extra_locks))), Failed
+        )
 
     @precondition(lambda self: not self.requests and not self.extra_locks)
     @rule(data=st.data())
@@ -328,7 +332,9 @@ class TreeCoreParity(RuleBasedStateMachine):
     @rule(data=st.data(), with_stale=st.booleans())
     def dfs_weight_order(self, data: st.DataObject, with_stale: bool) -> None:
         live = [int(i) for i in re.findall(r"\[(\d+)\]", self.tree.py.pretty_print())]
-        ids = data.draw(st.lists(st.sampled_from(self.seen_ids if with_stale else live), max_size=12))
+        ids = data.draw(
+            st.lists(st.sampled_from(self.seen_ids if with_stale else live), max_size=12)
+        )
         self.tree.call("dfs_weight_order", np.array(ids, dtype=np.int64) if with_stale else ids)
 
     @precondition(lambda self: not self.requests and not self.extra_locks)
@@ -368,11 +374,19 @@ class TreeCoreParity(RuleBasedStateMachine):
     # ------------------------------------------------------------ after every step
     @invariant()
     def backends_agree_and_hold_their_invariants(self) -> None:
-        for method in ("evictable_size", "protected_size", "total_size", "node_count", "pretty_print"):
+        for method in (
+            "evictable_size",
+            "protected_size",
+            "total_size",
+            "node_count",
+            "pretty_print",
+        ):
             self.tree.call(method)
         self.tree.py.sanity_check()
         self.tree.rs.sanity_check()
-        held = sum(len(np.unique(r.slots[r.own_from :] // self.ps)) * self.ps for r in self.requests)
+        held = sum(
+            len(np.unique(r.slots[r.own_from :] // self.ps)) * self.ps for r in self.requests
+        )
         held += sum(len(s) for s in self.loose)
         for tree, alloc in ((self.tree.py, self.alloc.py), (self.tree.rs, self.alloc.rs)):
             total = alloc.available_size() + tree.evictable_size() + tree.protected_size() + held
@@ -401,24 +415,39 @@ class BudgetParity(RuleBasedStateMachine):
         ratio=st.one_of(st.floats(0, 1), st.sampled_from([-0.1, 1.5, float("nan")])),
     )
     def reserve_running(self, remaining: list[int], data: st.DataObject, ratio: float) -> None:
-        flags = data.draw(st.lists(st.booleans(), min_size=len(remaining), max_size=len(remaining) + 1))
+        flags = data.draw(
+            st.lists(st.booleans(), min_size=len(remaining), max_size=len(remaining) + 1)
+        )
         self.budget.call("reserve_running", remaining, flags, ratio)
 
     @rule(available=SIZES)
     def state(self, available: int) -> None:
         self.budget.call("state", available)
 
-    @rule(available=st.integers(-1, 20000), prefix=st.integers(-1, 3000), extend=SIZES, max_new=SIZES)
+    @rule(
+        available=st.integers(-1, 20000), prefix=st.integers(-1, 3000), extend=SIZES, max_new=SIZES
+    )
     def add_req(self, available: int, prefix: int, extend: int, max_new: int) -> None:
         self.budget.call("add_req", available, prefix, extend, max_new)
 
-    @rule(available=st.integers(-1, 20000), prefix=st.integers(-1, 3000), remaining=SIZES, max_new=SIZES)
+    @rule(
+        available=st.integers(-1, 20000),
+        prefix=st.integers(-1, 3000),
+        remaining=SIZES,
+        max_new=SIZES,
+    )
     def add_chunk(self, available: int, prefix: int, remaining: int, max_new: int) -> None:
         self.budget.call("add_chunk", available, prefix, remaining, max_new)
 
     @invariant()
     def views_agree(self) -> None:
-        for name in ("total_offset", "current_offset", "rem_input_tokens", "rem_chunk_tokens", "num_admitted"):
+        for name in (
+            "total_offset",
+            "current_offset",
+            "rem_input_tokens",
+            "rem_chunk_tokens",
+            "num_admitted",
+        ):
             assert_same(getattr(self.budget.py, name), getattr(self.budget.rs, name), name)
 
 
@@ -426,14 +455,14 @@ class BudgetParity(RuleBasedStateMachine):
 @needs_rust
 def test_tree_and_allocator_parity():
     run_state_machine_as_test(
-        TreeCoreParity, settings=settings(PARITY, max_examples=120, stateful_step_count=40)
+        TreeCoreParity, settings=settings(PARITY, max_examples=250, stateful_step_count=40)
     )
 
 
 @needs_rust
 def test_budget_parity():
     run_state_machine_as_test(
-        BudgetParity, settings=settings(PARITY, max_examples=120, stateful_step_count=20)
+        BudgetParity, settings=settings(PARITY, max_examples=200, stateful_step_count=20)
     )
 
 
@@ -473,3 +502,27 @@ def test_long_trace_parity(page_size: int, policy: str):
             tree.rs.sanity_check()
             tree.call("pretty_print")
     assert tree.call("total_size") + alloc.call("available_size") == alloc.call("capacity")
+
+
+@needs_rust
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_long_keys_parity(page_size: int):
+    """Keys long enough for the native core to release the GIL (it then works on a copy)."""
+    rng = np.random.default_rng(page_size)
+    tree = both("RadixTree", page_size, "lru")
+    base = rng.integers(0, 100, 12_000)
+    next_slot = 1
+    for step in range(12):
+        cut = int(rng.integers(4_000, 12_000))
+        tokens = np.concatenate([base[:cut], rng.integers(0, 100, int(rng.integers(0, 3_000)))])
+        slots = np.arange(next_slot, next_slot + len(tokens))
+        next_slot += len(tokens)
+        tokens_in = tokens.tolist() if step % 3 == 0 else tokens.astype(np.int32)
+        tree.call("match_prefix", tokens_in, extra_key="long" if step % 4 == 0 else None)
+        tree.call("insert", tokens_in, slots, extra_key="long" if step % 4 == 0 else None)
+        if step % 5 == 4:
+            tree.call("evict", 5_000)
+        tree.py.sanity_check()
+        tree.rs.sanity_check()
+    tree.call("pretty_print")
+    tree.call("evict", 10**9)

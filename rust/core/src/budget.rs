@@ -103,13 +103,19 @@ impl PrefillBudget {
             ));
         }
         if !(0.0..=1.0).contains(&new_token_ratio) {
-            return bad(format!("new_token_ratio must be in [0, 1], got {new_token_ratio}"));
+            return bad(format!(
+                "new_token_ratio must be in [0, 1], got {new_token_ratio}"
+            ));
         }
         let mut reserved: i128 = 0;
         for (&r, &exact) in remaining_new_tokens.iter().zip(ignore_eos) {
             let tokens = r.clamp(0, CLIP_MAX_NEW_TOKENS);
             // tokens * ratio is >= 0 and finite, so `as` truncation is Python's int().
-            reserved += if exact { i128::from(tokens) } else { (tokens as f64 * new_token_ratio) as i128 };
+            reserved += if exact {
+                i128::from(tokens)
+            } else {
+                (tokens as f64 * new_token_ratio) as i128
+            };
         }
         self.total_offset += reserved;
         Ok(reserved)
@@ -247,7 +253,9 @@ mod tests {
     #[test]
     fn reserve_running_clips_and_floors() {
         let mut b = PrefillBudget::new(1, 100, None, 0).unwrap();
-        let got = b.reserve_running(&[10_000, 3, -5], &[false, false, true], 0.5).unwrap();
+        let got = b
+            .reserve_running(&[10_000, 3, -5], &[false, false, true], 0.5)
+            .unwrap();
         assert_eq!(got, 2048 + 1);
         assert_eq!(b.total_offset(), 2049);
         assert!(b.reserve_running(&[1], &[], 0.5).is_err());
@@ -265,14 +273,23 @@ mod tests {
         assert_eq!(b.rem_input_tokens(), 10_000 - 32);
         // Not strictly under the remaining memory: NO_TOKEN.
         let avail = b.total_offset() as i64 + 10 + 5 + 16;
-        assert_eq!(b.add_req(avail, 0, 10, 5).unwrap(), (false, AddReqResult::NoToken, 0));
+        assert_eq!(
+            b.add_req(avail, 0, 10, 5).unwrap(),
+            (false, AddReqResult::NoToken, 0)
+        );
     }
 
     #[test]
     fn input_budget_refuses_all_but_the_first() {
         let mut b = PrefillBudget::new(1, 10, None, 0).unwrap();
-        assert_eq!(b.add_req(1000, 0, 50, 0).unwrap(), (true, AddReqResult::Other, 50));
-        assert_eq!(b.add_req(1000, 0, 1, 0).unwrap(), (false, AddReqResult::Other, 0));
+        assert_eq!(
+            b.add_req(1000, 0, 50, 0).unwrap(),
+            (true, AddReqResult::Other, 50)
+        );
+        assert_eq!(
+            b.add_req(1000, 0, 1, 0).unwrap(),
+            (false, AddReqResult::Other, 0)
+        );
     }
 
     #[test]

@@ -21,7 +21,9 @@ pub type CoreResult<T> = Result<T, CoreError>;
 impl CoreError {
     pub fn message(&self) -> &str {
         match self {
-            Self::BadArgument(m) | Self::NotLocked(m) | Self::FreeGroup(m) | Self::Invariant(m) => m,
+            Self::BadArgument(m) | Self::NotLocked(m) | Self::FreeGroup(m) | Self::Invariant(m) => {
+                m
+            }
         }
     }
 }

@@ -52,7 +52,9 @@ pub fn page_hash(ns: u32, page: &[u32]) -> u32 {
     if ns == 0 && page.len() == 1 {
         return page[0];
     }
-    let mut h = FxHasher { hash: u64::from(ns) };
+    let mut h = FxHasher {
+        hash: u64::from(ns),
+    };
     for &t in page {
         h.add(u64::from(t));
     }

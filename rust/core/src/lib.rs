@@ -13,7 +13,7 @@ pub mod radix_tree;
 pub use budget::{AddReqResult, PrefillBudget, CLIP_MAX_NEW_TOKENS};
 pub use error::{CoreError, CoreResult};
 pub use page_allocator::PageAllocator;
-pub use radix_tree::{EvictionPolicy, RadixTree};
+pub use radix_tree::{CompactId, EvictionPolicy, RadixTree};
 
 /// Largest page size the tree and the allocator accept.
 pub const MAX_PAGE_SIZE: usize = 1 << 16;
@@ -31,23 +31,14 @@ pub fn check_page_size(page_size: i64) -> CoreResult<usize> {
     }
 }
 
-/// Token ids are stored as u32 below this value; `NO_TOKEN` (u32::MAX) is never stored, so a
-/// lookup can map any id it cannot hold to it and simply not match.
+/// Token ids and slots are stored as u32 below this value; an id the tree cannot hold compacts
+/// to `NO_TOKEN` (u32::MAX), which is never stored, so it simply does not match.
 pub const NO_TOKEN: u32 = u32::MAX;
-
-/// Convert token ids or slot indices to the compact u32 form the tree stores (0..NO_TOKEN).
-pub fn to_u32(values: &[i64], name: &str) -> CoreResult<Vec<u32>> {
-    let mut out = Vec::with_capacity(values.len());
-    for &v in values {
-        match u32::try_from(v) {
-            Ok(x) if x != NO_TOKEN => out.push(x),
-            _ => return error::bad(out_of_u32(name, v)),
-        }
-    }
-    Ok(out)
-}
 
 /// The message for a token id or slot that does not fit the tree's u32 storage.
 pub fn out_of_u32(name: &str, value: impl std::fmt::Display) -> String {
-    format!("{name} has value {value}, outside the supported range 0..={}", NO_TOKEN - 1)
+    format!(
+        "{name} has value {value}, outside the supported range 0..={}",
+        NO_TOKEN - 1
+    )
 }

@@ -41,9 +41,13 @@ impl PageAllocator {
         }
         let num_pages = usize::try_from(num_slots).unwrap_or(usize::MAX) / page_size;
         if num_pages >= u32::MAX as usize {
-            return bad(format!("num_slots {num_slots} makes more pages than the native core supports"));
+            return bad(format!(
+                "num_slots {num_slots} makes more pages than the native core supports"
+            ));
         }
-        let no_memory = |_| CoreError::BadArgument(format!("cannot allocate bookkeeping for {num_pages} pages"));
+        let no_memory = |_| {
+            CoreError::BadArgument(format!("cannot allocate bookkeeping for {num_pages} pages"))
+        };
         let mut free = VecDeque::new();
         free.try_reserve_exact(num_pages).map_err(no_memory)?;
         free.extend(1..=num_pages as u32);
@@ -51,7 +55,13 @@ impl PageAllocator {
         pages.try_reserve_exact(num_pages + 1).map_err(no_memory)?;
         pages.push(Page::Reserved);
         pages.resize(num_pages + 1, Page::Free);
-        Ok(Self { page_size, num_pages, free, pages, staged: None })
+        Ok(Self {
+            page_size,
+            num_pages,
+            free,
+            pages,
+            staged: None,
+        })
     }
 
     pub fn page_size(&self) -> usize {
@@ -74,7 +84,7 @@ impl PageAllocator {
     /// `num_tokens` slots in whole pages, or None when there are not enough.
     pub fn alloc(&mut self, num_tokens: usize) -> CoreResult<Option<Vec<i64>>> {
         let ps = self.page_size;
-        if num_tokens % ps != 0 {
+        if !num_tokens.is_multiple_of(ps) {
             return bad(format!(
                 "alloc({num_tokens}) is not a multiple of page_size {ps}; use alloc_extend for partial pages"
             ));
@@ -86,7 +96,7 @@ impl PageAllocator {
         let mut out = Vec::with_capacity(num_tokens);
         let pages = self.take(num_pages);
         if ps == 1 {
-            out.extend(pages.map(i64::from));
+            out.extend(pages.iter().map(|&p| i64::from(p)));
         } else {
             for page in pages {
                 let base = i64::from(page) * ps as i64;
@@ -103,20 +113,29 @@ impl PageAllocator {
         let ps = self.page_size as i64;
         let end = (self.num_pages as i64 + 1) * ps;
         if let Some(&s) = slots.iter().find(|&&s| s < ps || s >= end) {
-            return bad(format!("slot {s} is not in the pool (valid slots: {ps}..{})", end - 1));
+            return bad(format!(
+                "slot {s} is not in the pool (valid slots: {ps}..{})",
+                end - 1
+            ));
         }
         // Slots are in 0..2^32 pages * page_size here; a shift beats a division per slot.
         let mut pages: Vec<u32> = if self.page_size.is_power_of_two() {
             let shift = self.page_size.trailing_zeros();
             slots.iter().map(|&s| (s as u64 >> shift) as u32).collect()
         } else {
-            slots.iter().map(|&s| (s as u64 / ps as u64) as u32).collect()
+            slots
+                .iter()
+                .map(|&s| (s as u64 / ps as u64) as u32)
+                .collect()
         };
         if !pages.is_sorted() {
             pages.sort_unstable();
         }
         pages.dedup();
-        if let Some(&p) = pages.iter().find(|&&p| matches!(self.pages[p as usize], Page::Free | Page::Staged)) {
+        if let Some(&p) = pages
+            .iter()
+            .find(|&&p| matches!(self.pages[p as usize], Page::Free | Page::Staged))
+        {
             return bad(format!("double free of page {p} (slot page_size={ps})"));
         }
         match self.staged.as_mut() {
@@ -143,7 +162,9 @@ impl PageAllocator {
 
     pub fn free_group_end(&mut self) -> CoreResult<()> {
         let Some(staged) = self.staged.take() else {
-            return Err(CoreError::FreeGroup("free_group_end() called without free_group_begin()".into()));
+            return Err(CoreError::FreeGroup(
+                "free_group_end() called without free_group_begin()".into(),
+            ));
         };
         self.release(&staged);
         Ok(())
@@ -158,7 +179,9 @@ impl PageAllocator {
     ) -> CoreResult<Option<Vec<i64>>> {
         let (n, m, k) = (prefix_lens.len(), seq_lens.len(), last_locs.len());
         if n != m || m != k {
-            return bad(format!("prefix_lens, seq_lens and last_locs differ in length ({n}, {m}, {k})"));
+            return bad(format!(
+                "prefix_lens, seq_lens and last_locs differ in length ({n}, {m}, {k})"
+            ));
         }
         for i in 0..n {
             self.check_request(i, prefix_lens[i], seq_lens[i], last_locs[i])?;
@@ -171,11 +194,15 @@ impl PageAllocator {
         }
         let total_len: i64 = (0..n).map(|i| seq_lens[i] - prefix_lens[i]).sum();
         let mut out = Vec::with_capacity(total_len as usize);
-        let mut pages = self.take(total as usize);
+        let taken = self.take(total as usize);
+        let mut pages = taken.iter().copied();
         for i in 0..n {
             let (p, s, last) = (prefix_lens[i], seq_lens[i], last_locs[i]);
             let n1 = s.min(ceil_div(p, ps) * ps) - p;
-            out.extend(last + 1..last + 1 + n1);
+            if n1 > 0 {
+                // last_loc was checked to lie in the pool whenever a page is continued.
+                out.extend(last + 1..last + 1 + n1);
+            }
             let mut rest = s - p - n1;
             let fresh = pages.by_ref().take(need(i) as usize);
             if ps == 1 {
@@ -193,7 +220,11 @@ impl PageAllocator {
     }
 
     /// `alloc_extend(seq_lens - 1, seq_lens, last_locs)`: seq_lens count the new token.
-    pub fn alloc_decode(&mut self, seq_lens: &[i64], last_locs: &[i64]) -> CoreResult<Option<Vec<i64>>> {
+    pub fn alloc_decode(
+        &mut self,
+        seq_lens: &[i64],
+        last_locs: &[i64],
+    ) -> CoreResult<Option<Vec<i64>>> {
         if seq_lens.iter().any(|&s| s < 1) {
             return bad("seq_lens of alloc_decode count the new token and must be >= 1".into());
         }
@@ -204,7 +235,9 @@ impl PageAllocator {
     fn check_request(&self, i: usize, p: i64, s: i64, last: i64) -> CoreResult<()> {
         let ps = self.page_size as i64;
         if p < 0 || s < p {
-            return bad(format!("request {i}: need 0 <= prefix_len <= seq_len, got {p} and {s}"));
+            return bad(format!(
+                "request {i}: need 0 <= prefix_len <= seq_len, got {p} and {s}"
+            ));
         }
         if p % ps == 0 || s == p {
             return Ok(());
@@ -222,11 +255,18 @@ impl PageAllocator {
     }
 
     /// Take `num_pages` from the head of the free queue (the caller checked there are enough).
-    fn take(&mut self, num_pages: usize) -> std::collections::vec_deque::Drain<'_, u32> {
-        for &p in self.free.range(..num_pages) {
+    fn take(&mut self, num_pages: usize) -> Vec<u32> {
+        // Copy out of the ring's two halves as slices: element-wise deque access is slow.
+        let (front, back) = self.free.as_slices();
+        let from_front = num_pages.min(front.len());
+        let mut taken = Vec::with_capacity(num_pages);
+        taken.extend_from_slice(&front[..from_front]);
+        taken.extend_from_slice(&back[..num_pages - from_front]);
+        self.free.drain(..num_pages);
+        for &p in &taken {
             self.pages[p as usize] = Page::Used;
         }
-        self.free.drain(..num_pages)
+        taken
     }
 
     fn release(&mut self, pages: &[u32]) {
@@ -299,5 +339,10 @@ mod tests {
         let dec = a.alloc_decode(&[11], &[13]).unwrap().unwrap();
         assert_eq!(dec, vec![14]);
         assert!(a.alloc_decode(&[0], &[-1]).is_err());
+        // last_locs is ignored (however wild) when no page is continued.
+        assert_eq!(
+            a.alloc_extend(&[4], &[8], &[i64::MAX]).unwrap(),
+            Some(vec![16, 17, 18, 19])
+        );
     }
 }

@@ -12,10 +12,12 @@
 //!   incrementally. hit_count: 1 at creation, +1 per insert walking through; priority: an insert
 //!   raises every node it walks to max(old, priority).
 //!
-//! Tokens and slots are stored as u32 (callers convert with `crate::to_u32`); a lookup may pass
-//! `crate::NO_TOKEN` for an id no insert could store: it never matches.
+//! Tokens and slots are stored as u32 (8 bytes per cached token with its slot); callers pass
+//! u32, i32 or i64 ids (`CompactId`). An id the tree cannot hold never matches and cannot be
+//! inserted.
 
 mod children;
+mod ids;
 mod inspect;
 mod namespaces;
 mod node;
@@ -24,10 +26,12 @@ mod order;
 mod tests;
 
 use children::ChildIndex;
+use ids::common_len;
+pub use ids::{check_ids, CompactId};
 use namespaces::Namespaces;
 use node::{Arena, Node, NIL, ROOT};
-use order::LeafOrder;
 pub use order::EvictionPolicy;
+use order::LeafOrder;
 
 use crate::error::{bad, CoreError, CoreResult};
 
@@ -84,8 +88,13 @@ impl RadixTree {
         self.root_locks = 0;
     }
 
-    /// Longest cached prefix in whole pages: (its slots, the last matched node id).
-    pub fn match_prefix(&mut self, tokens: &[u32], extra_key: Option<&str>) -> (Vec<i64>, u64) {
+    /// Longest cached prefix in whole pages: (its slots, the last matched node id). Ids the
+    /// tree cannot hold (`NO_TOKEN`) simply do not match.
+    pub fn match_prefix<T: CompactId>(
+        &mut self,
+        tokens: &[T],
+        extra_key: Option<&str>,
+    ) -> (Vec<i64>, u64) {
         let key = self.page_aligned(tokens);
         let ns = self.namespaces.lookup(extra_key);
         self.clock += 1;
@@ -101,19 +110,23 @@ impl RadixTree {
     }
 
     /// Insert the page-aligned prefix of `tokens`: (tokens already cached, last node id).
-    pub fn insert(
+    /// Every token and slot must be below `NO_TOKEN`; on error nothing changes.
+    pub fn insert<T: CompactId, S: CompactId>(
         &mut self,
-        tokens: &[u32],
-        slots: &[u32],
+        tokens: &[T],
+        slots: &[S],
         extra_key: Option<&str>,
         priority: i64,
     ) -> CoreResult<(usize, u64)> {
         if tokens.len() != slots.len() {
-            return bad(format!("tokens and slots differ in length ({} vs {})", tokens.len(), slots.len()));
+            return bad(format!(
+                "tokens and slots differ in length ({} vs {})",
+                tokens.len(),
+                slots.len()
+            ));
         }
-        if tokens.contains(&crate::NO_TOKEN) {
-            return bad(crate::out_of_u32("tokens", crate::NO_TOKEN));
-        }
+        check_ids(tokens, "tokens")?;
+        check_ids(slots, "slots")?;
         let key = self.page_aligned(tokens);
         let ns = self.namespaces.lookup(extra_key);
         self.clock += 1;
@@ -124,7 +137,10 @@ impl RadixTree {
         if cached_len < key.len() {
             // An unknown namespace stops the walk at the root: intern it for the new root child.
             let ns = ns.unwrap_or_else(|| self.namespaces.intern(extra_key));
-            let mut leaf = Node::new(self.next_id, last, ns, &key[cached_len..], &slots[cached_len..key.len()]);
+            let mut data = Vec::with_capacity(2 * (key.len() - cached_len));
+            data.extend(key[cached_len..].iter().map(|t| t.compact()));
+            data.extend(slots[cached_len..key.len()].iter().map(|s| s.compact()));
+            let mut leaf = Node::new(self.next_id, last, ns, data);
             self.next_id += 1;
             leaf.access = self.clock;
             leaf.creation = self.clock;
@@ -156,13 +172,17 @@ impl RadixTree {
         let slot = self.slot(node_id)?;
         if slot == ROOT {
             if self.root_locks == 0 {
-                return Err(CoreError::NotLocked("unlock of the root, which is not locked".into()));
+                return Err(CoreError::NotLocked(
+                    "unlock of the root, which is not locked".into(),
+                ));
             }
             self.root_locks -= 1;
             return Ok(());
         }
         if self.node(slot).lock_ref == 0 {
-            return Err(CoreError::NotLocked(format!("unlock of node {node_id}, which is not locked")));
+            return Err(CoreError::NotLocked(format!(
+                "unlock of node {node_id}, which is not locked"
+            )));
         }
         self.add_lock(slot, false)
     }
@@ -172,8 +192,12 @@ impl RadixTree {
     pub fn evict(&mut self, num_tokens: usize) -> Vec<i64> {
         let mut freed = Vec::new();
         while freed.len() < num_tokens {
-            let Some(id) = self.leaves.pop_first() else { break };
-            let Some(slot) = self.arena.slot(id) else { continue };
+            let Some(id) = self.leaves.pop_first() else {
+                break;
+            };
+            let Some(slot) = self.arena.slot(id) else {
+                continue;
+            };
             let node = self.node(slot);
             let (parent, ns, len) = (node.parent, node.ns, node.len());
             freed.extend(node.value().iter().map(|&v| i64::from(v)));
@@ -233,24 +257,44 @@ impl RadixTree {
             .ok_or_else(|| CoreError::BadArgument(format!("unknown or stale node id {node_id}")))
     }
 
-    fn page_aligned<'a>(&self, tokens: &'a [u32]) -> &'a [u32] {
+    fn page_aligned<'a, T>(&self, tokens: &'a [T]) -> &'a [T] {
         &tokens[..tokens.len() / self.page_size * self.page_size]
     }
 
     /// Walk down from the root along `key`, splitting where the match ends inside a node and
     /// stamping each visited node (plus hits/priority when `insert_priority` is given).
     /// Returns (last node, matched length); `path` gets the visited nodes.
-    fn walk(&mut self, key: &[u32], ns: Option<u32>, insert_priority: Option<i64>, path: &mut Vec<u32>) -> (u32, usize) {
+    fn walk<T: CompactId>(
+        &mut self,
+        key: &[T],
+        ns: Option<u32>,
+        insert_priority: Option<i64>,
+        path: &mut Vec<u32>,
+    ) -> (u32, usize) {
         let Some(ns) = ns else { return (ROOT, 0) };
         let ps = self.page_size;
+        let (mut small, mut large) = ([0u32; 64], Vec::new());
+        let page: &mut [u32] = if ps <= small.len() {
+            &mut small[..ps]
+        } else {
+            large.resize(ps, 0);
+            &mut large
+        };
         let (mut node, mut pos) = (ROOT, 0);
         while pos < key.len() {
-            let Some(child) = self.children.find(&self.arena.nodes, node, ns, &key[pos..pos + ps]) else {
+            for (p, t) in page.iter_mut().zip(&key[pos..pos + ps]) {
+                *p = t.compact();
+            }
+            let Some(child) = self.children.find(&self.arena.nodes, node, ns, page) else {
                 break;
             };
             let child_node = self.node(child);
             let n = common_len(child_node.key(), &key[pos..]) / ps * ps;
-            let child = if n < child_node.len() { self.split(child, n) } else { child };
+            let child = if n < child_node.len() {
+                self.split(child, n)
+            } else {
+                child
+            };
             self.visit(child, insert_priority);
             path.push(child);
             node = child;
@@ -278,11 +322,11 @@ impl RadixTree {
 
     /// Cut `child` after n tokens; a new upper node (a fresh id) takes its place. Returns it.
     fn split(&mut self, child: u32, n: usize) -> u32 {
-        let (key, value) = self.node_mut(child).split_off_front(n);
+        let front = self.node_mut(child).split_off_front(n);
         let id = self.next_id;
         self.next_id += 1;
         let old = self.node(child);
-        let mut upper = Node::new(id, old.parent, old.ns, &key, &value);
+        let mut upper = Node::new(id, old.parent, old.ns, front);
         upper.lock_ref = old.lock_ref;
         upper.access = old.access;
         upper.creation = old.creation;
@@ -308,7 +352,10 @@ impl RadixTree {
                 before + 1
             } else {
                 before.checked_sub(1).ok_or_else(|| {
-                    CoreError::Invariant(format!("node {} is locked less than its descendants", node.id))
+                    CoreError::Invariant(format!(
+                        "node {} is locked less than its descendants",
+                        node.id
+                    ))
                 })?
             };
             node.lock_ref = after;
@@ -345,20 +392,4 @@ impl RadixTree {
             self.node_mut(slot).in_leaves = evictable_leaf;
         }
     }
-}
-
-/// Length of the common prefix of a and b.
-#[inline]
-fn common_len(a: &[u32], b: &[u32]) -> usize {
-    let n = a.len().min(b.len());
-    let (a, b) = (&a[..n], &b[..n]);
-    const BLOCK: usize = 32;
-    let mut i = 0;
-    while i + BLOCK <= n && a[i..i + BLOCK] == b[i..i + BLOCK] {
-        i += BLOCK;
-    }
-    while i < n && a[i] == b[i] {
-        i += 1;
-    }
-    i
 }

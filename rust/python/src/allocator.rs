@@ -23,7 +23,9 @@ impl PyPageAllocator {
     fn new(num_slots: &Bound<'_, PyAny>, page_size: Arg<'_>) -> PyResult<Self> {
         let page_size = page_size.int_or(1, "page_size")?;
         if page_size < 1 {
-            return Err(value_error(format!("page_size must be >= 1, got {page_size}")));
+            return Err(value_error(format!(
+                "page_size must be >= 1, got {page_size}"
+            )));
         }
         let num_slots = as_size(num_slots, "num_slots")?;
         let inner = PageAllocator::new(num_slots, page_size).map_err(core_err)?;
@@ -49,7 +51,11 @@ impl PyPageAllocator {
         self.inner.available_size()
     }
 
-    fn alloc<'py>(&mut self, py: Python<'py>, num_tokens: &Bound<'py, PyAny>) -> PyResult<Option<Bound<'py, PyArray1<i64>>>> {
+    fn alloc<'py>(
+        &mut self,
+        py: Python<'py>,
+        num_tokens: &Bound<'py, PyAny>,
+    ) -> PyResult<Option<Bound<'py, PyArray1<i64>>>> {
         let num_tokens = usize::try_from(as_size(num_tokens, "num_tokens")?).unwrap_or(usize::MAX);
         let slots = self.inner.alloc(num_tokens).map_err(core_err)?;
         Ok(array_or_none(py, slots))
@@ -93,10 +99,15 @@ impl PyPageAllocator {
     ) -> PyResult<Option<Bound<'py, PyArray1<i64>>>> {
         let seq = index_ints(seq_lens, "seq_lens")?;
         if seq.as_slice().iter().any(|&s| s < 1) {
-            return Err(value_error("seq_lens of alloc_decode count the new token and must be >= 1"));
+            return Err(value_error(
+                "seq_lens of alloc_decode count the new token and must be >= 1",
+            ));
         }
         let last = index_ints(last_locs, "last_locs")?;
-        let slots = self.inner.alloc_decode(seq.as_slice(), last.as_slice()).map_err(core_err)?;
+        let slots = self
+            .inner
+            .alloc_decode(seq.as_slice(), last.as_slice())
+            .map_err(core_err)?;
         Ok(array_or_none(py, slots))
     }
 
@@ -109,4 +120,3 @@ impl PyPageAllocator {
         )
     }
 }
-

@@ -38,7 +38,9 @@ impl PyPrefillBudget {
     ) -> PyResult<Self> {
         let page_size = crate::convert::as_int(page_size, "page_size")?;
         if page_size < 1 {
-            return Err(value_error(format!("page_size must be >= 1, got {page_size}")));
+            return Err(value_error(format!(
+                "page_size must be >= 1, got {page_size}"
+            )));
         }
         let mixed = match &num_mixed_decode_tokens {
             Arg::Default => 0,
@@ -100,8 +102,13 @@ impl PyPrefillBudget {
         }
         // float(x), like the Python twin (accepts ints, numpy scalars, numeric strings).
         let py = new_token_ratio.py();
-        let ratio: f64 = py.get_type::<PyFloat>().call1((new_token_ratio,))?.extract()?;
-        self.inner.reserve_running(remaining, &flags, ratio).map_err(core_err)
+        let ratio: f64 = py
+            .get_type::<PyFloat>()
+            .call1((new_token_ratio,))?
+            .extract()?;
+        self.inner
+            .reserve_running(remaining, &flags, ratio)
+            .map_err(core_err)
     }
 
     /// The verdict for the next candidate: CONTINUE, NO_TOKEN or OTHER.
@@ -122,11 +129,15 @@ impl PyPrefillBudget {
         let prefix_len = as_size(prefix_len, "prefix_len")?;
         let extend_len = as_size(extend_len, "extend_len")?;
         if extend_len < 1 {
-            return Err(value_error("extend_len must be >= 1: every admitted request computes a token"));
+            return Err(value_error(
+                "extend_len must be >= 1: every admitted request computes a token",
+            ));
         }
         let max_new = as_size(max_new_tokens, "max_new_tokens")?;
-        let (admitted, state, granted) =
-            self.inner.add_req(available, prefix_len, extend_len, max_new).map_err(core_err)?;
+        let (admitted, state, granted) = self
+            .inner
+            .add_req(available, prefix_len, extend_len, max_new)
+            .map_err(core_err)?;
         Ok((admitted, state as u8, granted))
     }
 
@@ -145,11 +156,15 @@ impl PyPrefillBudget {
             return Err(value_error("remaining_len must be >= 1"));
         }
         if self.inner.rem_chunk_tokens().is_none() {
-            return Err(value_error("add_chunk needs a chunk budget (rem_chunk_tokens is None)"));
+            return Err(value_error(
+                "add_chunk needs a chunk budget (rem_chunk_tokens is None)",
+            ));
         }
         let max_new = as_size(max_new_tokens, "max_new_tokens")?;
-        let (state, granted) =
-            self.inner.add_chunk(available, prefix_len, remaining_len, max_new).map_err(core_err)?;
+        let (state, granted) = self
+            .inner
+            .add_chunk(available, prefix_len, remaining_len, max_new)
+            .map_err(core_err)?;
         Ok((state as u8, granted))
     }
 }

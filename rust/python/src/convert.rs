@@ -47,7 +47,10 @@ impl Arg<'_> {
 }
 
 fn type_name(ob: &Bound<'_, PyAny>) -> String {
-    ob.get_type().name().map(|n| n.to_string()).unwrap_or_else(|_| "object".into())
+    ob.get_type()
+        .name()
+        .map(|n| n.to_string())
+        .unwrap_or_else(|_| "object".into())
 }
 
 /// A Python int (not a bool; anything with `__index__`), else ValueError.
@@ -80,8 +83,14 @@ pub fn extra_key<'a>(ob: Option<&'a Bound<'_, PyAny>>) -> PyResult<Option<&'a st
         return Ok(None);
     }
     match ob.downcast::<PyString>() {
-        Ok(s) => s.to_str().map(Some).map_err(|e| value_error(format!("extra_key is not valid UTF-8 ({e})"))),
-        Err(_) => Err(value_error(format!("extra_key must be a string or None, got {}", type_name(ob)))),
+        Ok(s) => s
+            .to_str()
+            .map(Some)
+            .map_err(|e| value_error(format!("extra_key is not valid UTF-8 ({e})"))),
+        Err(_) => Err(value_error(format!(
+            "extra_key must be a string or None, got {}",
+            type_name(ob)
+        ))),
     }
 }
 
@@ -100,32 +109,6 @@ impl Ints<'_> {
     }
 }
 
-/// Token ids and slots are stored as u32 below this bound (`tree_core::NO_TOKEN`).
-const U32_BOUND: u64 = tree_core::NO_TOKEN as u64;
-
-/// Token ids or slots for insertion: every value must fit the tree's u32 storage.
-pub fn u32_values(ob: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<u32>> {
-    let ints = index_ints(ob, name)?;
-    let values = ints.as_slice();
-    let out = narrow(values);
-    if out.contains(&tree_core::NO_TOKEN) {
-        let bad = values.iter().find(|&&v| v as u64 >= U32_BOUND).copied().unwrap_or(-1);
-        return Err(value_error(tree_core::out_of_u32(name, bad)));
-    }
-    Ok(out)
-}
-
-/// Token ids for a lookup: a value no insert could have stored becomes u32::MAX, which never
-/// matches, so a lookup behaves like the Python twin's for any int64.
-pub fn u32_lookup(ob: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<u32>> {
-    Ok(narrow(index_ints(ob, name)?.as_slice()))
-}
-
-#[inline]
-fn narrow(values: &[i64]) -> Vec<u32> {
-    values.iter().map(|&v| if (v as u64) < U32_BOUND { v as u32 } else { tree_core::NO_TOKEN }).collect()
-}
-
 /// A list of ints or a 1-D integer array, else ValueError. A contiguous native int64 array is
 /// borrowed, not copied.
 pub fn index_ints<'py>(ob: &Bound<'py, PyAny>, name: &str) -> PyResult<Ints<'py>> {
@@ -137,22 +120,32 @@ pub fn index_ints<'py>(ob: &Bound<'py, PyAny>, name: &str) -> PyResult<Ints<'py>
             return Ok(Ints::Owned(v));
         }
     }
-    if ob.is_instance_of::<PyString>() || ob.is_instance_of::<PyBytes>() || !ob.hasattr("__len__")? {
-        return Err(value_error(format!("{name} must be a list of ints or a 1-D integer array")));
+    if ob.is_instance_of::<PyString>()
+        || ob.is_instance_of::<PyBytes>()
+        || !ob.hasattr("__len__")?
+    {
+        return Err(value_error(format!(
+            "{name} must be a list of ints or a 1-D integer array"
+        )));
     }
     // Anything else (tuples, ranges, lists of numpy ints or floats...) goes through numpy,
     // exactly like the Python twin.
     let py = ob.py();
-    let arr = py.import("numpy")?.call_method1("asarray", (ob,)).map_err(|e| {
-        if e.is_instance_of::<PyValueError>(py)
-            || e.is_instance_of::<PyOverflowError>(py)
-            || e.is_instance_of::<PyTypeError>(py)
-        {
-            value_error(format!("{name} must be a list of ints or a 1-D integer array ({e})"))
-        } else {
-            e
-        }
-    })?;
+    let arr = py
+        .import("numpy")?
+        .call_method1("asarray", (ob,))
+        .map_err(|e| {
+            if e.is_instance_of::<PyValueError>(py)
+                || e.is_instance_of::<PyOverflowError>(py)
+                || e.is_instance_of::<PyTypeError>(py)
+            {
+                value_error(format!(
+                    "{name} must be a list of ints or a 1-D integer array ({e})"
+                ))
+            } else {
+                e
+            }
+        })?;
     let arr = arr.downcast::<PyUntypedArray>()?;
     if arr.shape().contains(&0) {
         return Ok(Ints::Owned(Vec::new()));
@@ -175,7 +168,14 @@ fn from_int_list(list: &Bound<'_, PyList>) -> Option<Vec<i64>> {
 fn shape_str(shape: &[usize]) -> String {
     match shape {
         [n] => format!("({n},)"),
-        _ => format!("({})", shape.iter().map(usize::to_string).collect::<Vec<_>>().join(", ")),
+        _ => format!(
+            "({})",
+            shape
+                .iter()
+                .map(usize::to_string)
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
     }
 }
 
@@ -188,10 +188,14 @@ fn from_array<'py>(arr: &Bound<'py, PyUntypedArray>, name: &str) -> PyResult<Int
     }
     let dtype = arr.dtype();
     if !matches!(dtype.kind(), b'i' | b'u') {
-        return Err(value_error(format!("{name} must hold integers, got dtype {dtype}")));
+        return Err(value_error(format!(
+            "{name} must hold integers, got dtype {dtype}"
+        )));
     }
     if let Ok(a) = arr.downcast::<PyArray1<i64>>() {
-        let ro = a.try_readonly().map_err(|e| value_error(format!("{name}: {e}")))?;
+        let ro = a
+            .try_readonly()
+            .map_err(|e| value_error(format!("{name}: {e}")))?;
         if ro.as_slice().is_ok() {
             return Ok(Ints::Borrowed(ro));
         }
@@ -217,7 +221,14 @@ fn from_array<'py>(arr: &Bound<'py, PyUntypedArray>, name: &str) -> PyResult<Int
     // A non-native byte order: let numpy convert it.
     let native = arr.call_method1("astype", ("int64",))?;
     match native.downcast::<PyArray1<i64>>() {
-        Ok(a) => Ok(Ints::Owned(a.try_readonly().map_err(|e| value_error(format!("{name}: {e}")))?.as_array().to_vec())),
-        Err(_) => Err(value_error(format!("{name} has an unsupported integer dtype {dtype}"))),
+        Ok(a) => Ok(Ints::Owned(
+            a.try_readonly()
+                .map_err(|e| value_error(format!("{name}: {e}")))?
+                .as_array()
+                .to_vec(),
+        )),
+        Err(_) => Err(value_error(format!(
+            "{name} has an unsupported integer dtype {dtype}"
+        ))),
     }
 }

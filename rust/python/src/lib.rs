@@ -19,7 +19,10 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("CLIP_MAX_NEW_TOKENS", CLIP_MAX_NEW_TOKENS)?;
     m.add("MAX_PAGE_SIZE", MAX_PAGE_SIZE)?;
-    m.add("SUPPORTED_EVICTION_POLICIES", PyTuple::new(m.py(), EvictionPolicy::NAMES)?)?;
+    m.add(
+        "SUPPORTED_EVICTION_POLICIES",
+        PyTuple::new(m.py(), EvictionPolicy::NAMES)?,
+    )?;
     m.add_class::<tree::PyRadixTree>()?;
     m.add_class::<allocator::PyPageAllocator>()?;
     m.add_class::<budget::PyPrefillBudget>()?;

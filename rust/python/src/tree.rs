@@ -2,9 +2,10 @@
 
 use numpy::PyArray1;
 use pyo3::prelude::*;
-use tree_core::{EvictionPolicy, RadixTree};
+use tree_core::radix_tree::check_ids;
+use tree_core::{CompactId, EvictionPolicy, RadixTree};
 
-use crate::convert::{as_int, as_size, core_err, u32_lookup, u32_values, value_error, Arg};
+use crate::convert::{as_int, as_size, core_err, index_ints, value_error, Arg};
 
 /// Calls on at least this many tokens release the GIL while they run.
 const GIL_FREE_TOKENS: usize = 4096;
@@ -13,6 +14,17 @@ const GIL_FREE_TOKENS: usize = 4096;
 #[pyclass(name = "RadixTree", module = "sglite._core")]
 pub struct PyRadixTree {
     tree: RadixTree,
+    /// Compact copies of long inputs, reused across calls: a call that releases the GIL must
+    /// not read the caller's array, which another thread could then write.
+    scratch_tokens: Vec<u32>,
+    scratch_slots: Vec<u32>,
+}
+
+/// Copy ids into `buf` in the tree's compact form (ids it cannot hold become NO_TOKEN).
+fn compact_into<'a>(buf: &'a mut Vec<u32>, ids: &[i64]) -> &'a [u32] {
+    buf.clear();
+    buf.extend(ids.iter().map(|&v| v.compact()));
+    buf
 }
 
 fn policy_of(arg: &Arg<'_>) -> PyResult<EvictionPolicy> {
@@ -20,16 +32,18 @@ fn policy_of(arg: &Arg<'_>) -> PyResult<EvictionPolicy> {
         Arg::Default => return Ok(EvictionPolicy::Lru),
         Arg::Given(ob) => ob.extract::<String>().ok(),
     };
-    name.as_deref().and_then(EvictionPolicy::parse).ok_or_else(|| {
-        let shown = match arg {
-            Arg::Given(ob) => ob.repr().map(|r| r.to_string()).unwrap_or_default(),
-            Arg::Default => String::new(),
-        };
-        value_error(format!(
-            "unknown eviction policy {shown}; choose one of: {}",
-            EvictionPolicy::NAMES.join(", ")
-        ))
-    })
+    name.as_deref()
+        .and_then(EvictionPolicy::parse)
+        .ok_or_else(|| {
+            let shown = match arg {
+                Arg::Given(ob) => ob.repr().map(|r| r.to_string()).unwrap_or_default(),
+                Arg::Default => String::new(),
+            };
+            value_error(format!(
+                "unknown eviction policy {shown}; choose one of: {}",
+                EvictionPolicy::NAMES.join(", ")
+            ))
+        })
 }
 
 fn slots_array(py: Python<'_>, slots: Vec<i64>) -> Bound<'_, PyArray1<i64>> {
@@ -43,11 +57,17 @@ impl PyRadixTree {
     fn new(page_size: Arg<'_>, eviction_policy: Arg<'_>) -> PyResult<Self> {
         let page_size = page_size.int_or(1, "page_size")?;
         if page_size < 1 {
-            return Err(value_error(format!("page_size must be >= 1, got {page_size}")));
+            return Err(value_error(format!(
+                "page_size must be >= 1, got {page_size}"
+            )));
         }
         let policy = policy_of(&eviction_policy)?;
         let tree = RadixTree::new(page_size, policy).map_err(core_err)?;
-        Ok(Self { tree })
+        Ok(Self {
+            tree,
+            scratch_tokens: Vec::new(),
+            scratch_slots: Vec::new(),
+        })
     }
 
     #[getter]
@@ -73,13 +93,14 @@ impl PyRadixTree {
         tokens: &Bound<'py, PyAny>,
         extra_key: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<(Bound<'py, PyArray1<i64>>, u64)> {
-        let tokens = u32_lookup(tokens, "tokens")?;
+        let tokens = index_ints(tokens, "tokens")?;
         let ns = crate::convert::extra_key(extra_key)?;
         let tree = &mut self.tree;
-        let (slots, node_id) = if tokens.len() >= GIL_FREE_TOKENS {
-            py.allow_threads(|| tree.match_prefix(&tokens, ns))
+        let (slots, node_id) = if tokens.as_slice().len() >= GIL_FREE_TOKENS {
+            let tokens = compact_into(&mut self.scratch_tokens, tokens.as_slice());
+            py.allow_threads(|| tree.match_prefix(tokens, ns))
         } else {
-            tree.match_prefix(&tokens, ns)
+            tree.match_prefix(tokens.as_slice(), ns)
         };
         Ok((slots_array(py, slots), node_id))
     }
@@ -94,24 +115,29 @@ impl PyRadixTree {
         extra_key: Option<&Bound<'_, PyAny>>,
         priority: Arg<'_>,
     ) -> PyResult<(usize, u64)> {
-        let tokens = u32_values(tokens, "tokens")?;
-        let slots = u32_values(slots, "slots")?;
-        if tokens.len() != slots.len() {
+        let tokens = index_ints(tokens, "tokens")?;
+        let slots = index_ints(slots, "slots")?;
+        let (num_tokens, num_slots) = (tokens.as_slice().len(), slots.as_slice().len());
+        if num_tokens != num_slots {
             return Err(value_error(format!(
-                "tokens and slots differ in length ({} vs {})",
-                tokens.len(),
-                slots.len()
+                "tokens and slots differ in length ({num_tokens} vs {num_slots})"
             )));
         }
         let priority = priority.int_or(0, "priority")?;
         let ns = crate::convert::extra_key(extra_key)?;
         let tree = &mut self.tree;
-        let result = if tokens.len() >= GIL_FREE_TOKENS {
-            py.allow_threads(|| tree.insert(&tokens, &slots, ns, priority))
-        } else {
-            tree.insert(&tokens, &slots, ns, priority)
-        };
-        result.map_err(core_err)
+        if num_tokens < GIL_FREE_TOKENS {
+            return tree
+                .insert(tokens.as_slice(), slots.as_slice(), ns, priority)
+                .map_err(core_err);
+        }
+        // Check on the caller's values (the compact copy would hide what was out of range).
+        check_ids(tokens.as_slice(), "tokens").map_err(core_err)?;
+        check_ids(slots.as_slice(), "slots").map_err(core_err)?;
+        let tokens = compact_into(&mut self.scratch_tokens, tokens.as_slice());
+        let slots = compact_into(&mut self.scratch_slots, slots.as_slice());
+        py.allow_threads(|| tree.insert(tokens, slots, ns, priority))
+            .map_err(core_err)
     }
 
     fn lock(&mut self, node_id: &Bound<'_, PyAny>) -> PyResult<()> {
@@ -125,7 +151,11 @@ impl PyRadixTree {
     }
 
     /// Free unlocked leaves in policy order until num_tokens are freed; returns their slots.
-    fn evict<'py>(&mut self, py: Python<'py>, num_tokens: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyArray1<i64>>> {
+    fn evict<'py>(
+        &mut self,
+        py: Python<'py>,
+        num_tokens: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyArray1<i64>>> {
         let num_tokens = usize::try_from(as_size(num_tokens, "num_tokens")?).unwrap_or(usize::MAX);
         let tree = &mut self.tree;
         let freed = if num_tokens >= GIL_FREE_TOKENS {

@@ -21,7 +21,10 @@ fn bucket(parent: u32, ns: u32, page: &[u32]) -> u64 {
 
 impl ChildIndex {
     pub fn new(page_size: usize) -> Self {
-        Self { page_size, heads: FxHashMap::default() }
+        Self {
+            page_size,
+            heads: FxHashMap::default(),
+        }
     }
 
     fn first_page<'a>(&self, node: &'a Node) -> &'a [u32] {
@@ -74,7 +77,9 @@ impl ChildIndex {
 
     /// Make whatever pointed at `target` in bucket `key` point at `to` (NIL drops the link).
     fn relink(&mut self, nodes: &mut [Node], key: u64, target: u32, to: u32) {
-        let Some(&head) = self.heads.get(&key) else { return };
+        let Some(&head) = self.heads.get(&key) else {
+            return;
+        };
         if head == target {
             if to == NIL {
                 self.heads.remove(&key);

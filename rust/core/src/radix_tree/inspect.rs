@@ -85,22 +85,37 @@ impl RadixTree {
             let node = &nodes[slot as usize];
             let children = kids.get(&slot).map_or(&[][..], Vec::as_slice);
             if node.num_children as usize != children.len() {
-                return broken(format!("node {} counts {} children, has {}", node.id, node.num_children, children.len()));
+                return broken(format!(
+                    "node {} counts {} children, has {}",
+                    node.id,
+                    node.num_children,
+                    children.len()
+                ));
             }
             let mut child_locks = 0u64;
             for &c in children {
                 let child = &nodes[c as usize];
                 let page = &child.key()[..self.page_size.min(child.len())];
-                if child.len() < self.page_size || self.children.find(nodes, slot, child.ns, page) != Some(c) {
-                    return broken(format!("node {} is filed under a wrong child key", child.id));
+                if child.len() < self.page_size
+                    || self.children.find(nodes, slot, child.ns, page) != Some(c)
+                {
+                    return broken(format!(
+                        "node {} is filed under a wrong child key",
+                        child.id
+                    ));
                 }
                 if slot == ROOT {
                     match root_children_per_ns.get_mut(child.ns as usize) {
                         Some(n) => *n += 1,
-                        None => return broken(format!("node {} has an unknown namespace", child.id)),
+                        None => {
+                            return broken(format!("node {} has an unknown namespace", child.id))
+                        }
                     }
                 } else if child.ns != node.ns {
-                    return broken(format!("node {} is in another namespace than its parent", child.id));
+                    return broken(format!(
+                        "node {} is in another namespace than its parent",
+                        child.id
+                    ));
                 }
                 child_locks += u64::from(child.lock_ref);
                 stack.push(c);
@@ -108,11 +123,18 @@ impl RadixTree {
             if slot == ROOT {
                 continue;
             }
-            if node.len() == 0 || node.len() % self.page_size != 0 {
-                return broken(format!("node {} has a key of {} tokens", node.id, node.len()));
+            if node.len() == 0 || !node.len().is_multiple_of(self.page_size) {
+                return broken(format!(
+                    "node {} has a key of {} tokens",
+                    node.id,
+                    node.len()
+                ));
             }
             if u64::from(node.lock_ref) < child_locks {
-                return broken(format!("node {} lock_ref {} < children's {child_locks}", node.id, node.lock_ref));
+                return broken(format!(
+                    "node {} lock_ref {} < children's {child_locks}",
+                    node.id, node.lock_ref
+                ));
             }
             let evictable_leaf = node.lock_ref == 0 && children.is_empty();
             if node.lock_ref > 0 {
@@ -128,7 +150,10 @@ impl RadixTree {
             }
         }
         if seen != self.arena.live_count() {
-            return broken(format!("{} registered nodes are unreachable", self.arena.live_count() - seen));
+            return broken(format!(
+                "{} registered nodes are unreachable",
+                self.arena.live_count() - seen
+            ));
         }
         if (evictable, protected) != (self.evictable, self.protected) {
             return broken(format!(
@@ -137,15 +162,27 @@ impl RadixTree {
             ));
         }
         if leaves != self.leaves.len() {
-            return broken(format!("the eviction order holds {} entries for {leaves} leaves", self.leaves.len()));
+            return broken(format!(
+                "the eviction order holds {} entries for {leaves} leaves",
+                self.leaves.len()
+            ));
         }
         let edges = self.children.count(nodes);
         if edges != seen - 1 {
-            return broken(format!("the child index holds {edges} edges for {} nodes", seen - 1));
+            return broken(format!(
+                "the child index holds {edges} edges for {} nodes",
+                seen - 1
+            ));
         }
         let refs = self.namespaces.refcounts();
         let named = refs.iter().skip(1).filter(|&&n| n > 0).count();
-        if refs.iter().zip(&root_children_per_ns).skip(1).any(|(a, b)| a != b) || named != self.namespaces.len() {
+        if refs
+            .iter()
+            .zip(&root_children_per_ns)
+            .skip(1)
+            .any(|(a, b)| a != b)
+            || named != self.namespaces.len()
+        {
             return broken("the namespace table is out of date".into());
         }
         Ok(())
@@ -157,7 +194,9 @@ impl RadixTree {
         let mut kids: FxHashMap<u32, Vec<u32>> = FxHashMap::default();
         for (_, slot) in self.arena.id_slots() {
             if slot != ROOT {
-                kids.entry(nodes[slot as usize].parent).or_default().push(slot);
+                kids.entry(nodes[slot as usize].parent)
+                    .or_default()
+                    .push(slot);
             }
         }
         let mut lines = Vec::with_capacity(self.arena.live_count() + 1);

@@ -15,7 +15,10 @@ pub(crate) struct Namespaces {
 
 impl Namespaces {
     pub fn new() -> Self {
-        Self { entries: vec![(String::new(), 0)], ..Self::default() }
+        Self {
+            entries: vec![(String::new(), 0)],
+            ..Self::default()
+        }
     }
 
     /// Some(id) of a known namespace (0 for none); None when no node uses it.
@@ -78,6 +81,8 @@ impl Namespaces {
 
     pub fn memory_bytes(&self) -> usize {
         let names: usize = self.entries.iter().map(|e| 2 * e.0.capacity()).sum();
-        names + self.entries.capacity() * std::mem::size_of::<(String, u32)>() + self.ids.capacity() * 40
+        names
+            + self.entries.capacity() * std::mem::size_of::<(String, u32)>()
+            + self.ids.capacity() * 40
     }
 }

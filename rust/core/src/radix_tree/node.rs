@@ -34,11 +34,9 @@ pub(crate) struct Node {
 }
 
 impl Node {
-    pub fn new(id: u64, parent: u32, ns: u32, key: &[u32], value: &[u32]) -> Self {
-        debug_assert_eq!(key.len(), value.len());
-        let mut data = Vec::with_capacity(key.len() + value.len());
-        data.extend_from_slice(key);
-        data.extend_from_slice(value);
+    /// A node over `data` = key ++ value (equal halves).
+    pub fn new(id: u64, parent: u32, ns: u32, data: Vec<u32>) -> Self {
+        debug_assert_eq!(data.len() % 2, 0);
         Self {
             id,
             parent,
@@ -56,7 +54,7 @@ impl Node {
     }
 
     fn dead() -> Self {
-        let mut node = Self::new(DEAD, NIL, 0, &[], &[]);
+        let mut node = Self::new(DEAD, NIL, 0, Vec::new());
         node.hits = 0;
         node
     }
@@ -80,11 +78,13 @@ impl Node {
         &self.data[self.len()..]
     }
 
-    /// Keep tokens [n..] here and return a copy of the first n (tokens, values) as a new block.
-    pub fn split_off_front(&mut self, n: usize) -> (Vec<u32>, Vec<u32>) {
+    /// Keep tokens [n..] here and return the first n as a new data block (key ++ value).
+    pub fn split_off_front(&mut self, n: usize) -> Vec<u32> {
         let len = self.len();
         let (key, value) = self.data.split_at(len);
-        let front = (key[..n].to_vec(), value[..n].to_vec());
+        let mut front = Vec::with_capacity(2 * n);
+        front.extend_from_slice(&key[..n]);
+        front.extend_from_slice(&value[..n]);
         let mut rest = Vec::with_capacity(2 * (len - n));
         rest.extend_from_slice(&key[n..]);
         rest.extend_from_slice(&value[n..]);
@@ -109,8 +109,12 @@ pub(crate) struct Arena {
 
 impl Arena {
     pub fn new() -> Self {
-        let mut arena = Self { nodes: Vec::new(), free_slots: Vec::new(), slot_of: FxHashMap::default() };
-        let root = arena.alloc(Node::new(0, NIL, 0, &[], &[]));
+        let mut arena = Self {
+            nodes: Vec::new(),
+            free_slots: Vec::new(),
+            slot_of: FxHashMap::default(),
+        };
+        let root = arena.alloc(Node::new(0, NIL, 0, Vec::new()));
         debug_assert_eq!(root, ROOT);
         arena
     }

@@ -44,7 +44,10 @@ pub(crate) struct LeafOrder {
 
 impl LeafOrder {
     pub fn new(policy: EvictionPolicy) -> Self {
-        Self { policy, set: BTreeSet::new() }
+        Self {
+            policy,
+            set: BTreeSet::new(),
+        }
     }
 
     pub fn policy(&self) -> EvictionPolicy {

@@ -155,7 +155,11 @@ impl Rng {
 
 #[test]
 fn random_operations_keep_every_invariant() {
-    for (ps, policy) in [(1, EvictionPolicy::Lru), (4, EvictionPolicy::Lfu), (2, EvictionPolicy::Priority)] {
+    for (ps, policy) in [
+        (1, EvictionPolicy::Lru),
+        (4, EvictionPolicy::Lfu),
+        (2, EvictionPolicy::Priority),
+    ] {
         let mut rng = Rng(0x9e37_79b9_7f4a_7c15 ^ ps as u64);
         let mut t = tree(ps, policy);
         let mut locked: Vec<i64> = Vec::new();
@@ -168,7 +172,8 @@ fn random_operations_keep_every_invariant() {
                 0 | 1 => {
                     let slots: Vec<u32> = (0..len as u32).map(|i| next_slot + i).collect();
                     next_slot += len as u32;
-                    t.insert(&tokens, &slots, Some(ns), rng.below(3) as i64).unwrap();
+                    t.insert(&tokens, &slots, Some(ns), rng.below(3) as i64)
+                        .unwrap();
                 }
                 2 => {
                     let (slots, node) = t.match_prefix(&tokens, Some(ns));
@@ -194,4 +199,17 @@ fn random_operations_keep_every_invariant() {
             assert!(t.memory_bytes() > 0);
         }
     }
+}
+
+#[test]
+fn ids_the_tree_cannot_hold_never_match_and_are_refused() {
+    let mut t = tree(1, EvictionPolicy::Lru);
+    assert!(t.insert(&[1i64, -1], &[1i64, 2], None, 0).is_err());
+    assert!(t.insert(&[1i64, 2], &[1i64, 1 << 40], None, 0).is_err());
+    assert!(t.insert(&[1u32, u32::MAX], &[1u32, 2], None, 0).is_err());
+    assert_eq!((t.node_count(), t.clock), (0, 0));
+    t.insert(&[1i64, 2], &[5i64, 6], None, 0).unwrap();
+    assert_eq!(t.match_prefix(&[1i64, -2], None).0, vec![5]);
+    assert_eq!(t.match_prefix(&[1i64, 2 + (1 << 32)], None).0, vec![5]);
+    assert_eq!(t.match_prefix(&[1i32, 2], None).0, vec![5, 6]);
 }
