@@ -53,3 +53,12 @@ def as_int(x: Any, name: str) -> int:
         return operator.index(x)
     except TypeError as e:
         raise ValueError(f"{name} must be an int, got {type(x).__name__}") from e
+
+
+def as_namespace(extra_key: str | None) -> str | None:
+    """A cache namespace: a non-empty string, or None ("" means None)."""
+    if extra_key is None or extra_key == "":
+        return None
+    if not isinstance(extra_key, str):
+        raise ValueError(f"extra_key must be a string or None, got {type(extra_key).__name__}")
+    return extra_key

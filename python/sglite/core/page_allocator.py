@@ -40,7 +40,10 @@ class PageAllocator:
         num_slots = as_size(num_slots, "num_slots")
         self.page_size = page_size
         self.num_pages = num_slots // page_size
-        self._free = np.arange(1, self.num_pages + 1, dtype=np.int64)
+        # the FIFO of free pages is a ring: alloc and free cost only the pages they move
+        self._ring = np.arange(1, self.num_pages + 1, dtype=np.int64)
+        self._head = 0
+        self._num_free = self.num_pages
         self._is_free = np.ones(self.num_pages + 1, dtype=bool)
         self._is_free[0] = False
         self._staged: list[np.ndarray] | None = None
@@ -51,7 +54,7 @@ class PageAllocator:
         return self.num_pages * self.page_size
 
     def available_size(self) -> int:
-        return len(self._free) * self.page_size
+        return self._num_free * self.page_size
 
     def alloc(self, num_tokens: int) -> np.ndarray | None:
         num_tokens = as_size(num_tokens, "num_tokens")
@@ -111,6 +114,8 @@ class PageAllocator:
         for i in range(len(prefix)):
             self._check_request(i, int(prefix[i]), int(seq[i]), int(last[i]))
         need = -(-seq // ps) - -(-prefix // ps)
+        if int(seq.max(initial=0)) > (self.num_pages + 1) * ps:
+            return None  # more than the pool could ever hold
         pages = self._take(int(need.sum()))
         if pages is None:
             return None
@@ -150,15 +155,20 @@ class PageAllocator:
             raise ValueError(f"request {i}: last_locs={last} lies in a free page")
 
     def _take(self, num_pages: int) -> np.ndarray | None:
-        if num_pages > len(self._free):
+        if num_pages > self._num_free:
             return None
-        pages, self._free = self._free[:num_pages], self._free[num_pages:]
+        idx = (self._head + np.arange(num_pages)) % max(self.num_pages, 1)
+        pages = self._ring[idx]
+        self._head = (self._head + num_pages) % max(self.num_pages, 1)
+        self._num_free -= num_pages
         self._is_free[pages] = False
         return pages
 
     def _release(self, pages: np.ndarray) -> None:
         self._is_free[pages] = True
-        self._free = np.concatenate([self._free, pages])
+        tail = self._head + self._num_free
+        self._ring[(tail + np.arange(len(pages))) % self.num_pages] = pages
+        self._num_free += len(pages)
 
     def _page_slots(self, pages: np.ndarray) -> np.ndarray:
         ps = self.page_size

@@ -21,8 +21,7 @@ Contract
   id); fifo (creation, id); priority (priority, access, id). A parent that becomes an unlocked
   leaf joins the candidates. The candidate set is maintained incrementally: a heap with lazy
   deletion (each entry carries the node's version), compacted when stale entries dominate.
-- hit_count: 1 at creation, +1 for each insert that walks through the node; a split copies
-  it. priority: an insert raises the priority of every node it walks to max(old, priority).
+- hit_count: 1 at creation, +1 per insert walking through; priority: max over inserts.
 """
 
 from __future__ import annotations
@@ -32,9 +31,10 @@ from typing import Any
 
 import numpy as np
 
-from sglite.core._arrays import EMPTY, as_index_array, as_int, as_size
+from sglite.core._arrays import EMPTY, as_index_array, as_int, as_namespace, as_size
 
 POLICIES = ("lru", "lfu", "fifo", "priority")
+MAX_ID = 2**32 - 2  # token ids and slots are stored as u32 by the Rust core
 NODE_OVERHEAD_BYTES = 200  # rough per-node Python object cost, for memory_bytes()
 
 
@@ -81,7 +81,7 @@ class RadixTree:
 
     def match_prefix(self, tokens: Any, extra_key: str | None = None) -> tuple[np.ndarray, int]:
         key = self._page_aligned(as_index_array(tokens, "tokens"))
-        ns = _namespace(extra_key)
+        ns = as_namespace(extra_key)
         self._clock += 1
         node, pos, values = self.root, 0, []
         while pos < len(key):
@@ -104,8 +104,11 @@ class RadixTree:
         val = as_index_array(slots, "slots")
         if len(tok) != len(val):
             raise ValueError(f"tokens and slots differ in length ({len(tok)} vs {len(val)})")
+        for name, arr in (("tokens", tok), ("slots", val)):
+            if len(arr) and (int(arr.min()) < 0 or int(arr.max()) > MAX_ID):
+                raise ValueError(f"{name} must be in 0..{MAX_ID}")
         priority = as_int(priority, "priority")
-        ns = _namespace(extra_key)
+        ns = as_namespace(extra_key)
         key = self._page_aligned(tok)
         self._clock += 1
         node, pos = self.root, 0
@@ -389,11 +392,3 @@ class RadixTree:
                 for n in (self._nodes[i] for i in self._leaves)
             ]
             heapq.heapify(self._heap)
-
-
-def _namespace(extra_key: str | None) -> str | None:
-    if extra_key is None or extra_key == "":
-        return None
-    if not isinstance(extra_key, str):
-        raise ValueError(f"extra_key must be a string or None, got {type(extra_key).__name__}")
-    return extra_key
