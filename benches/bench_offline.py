@@ -36,12 +36,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-import sglite.core  # noqa: E402
 from sglite.config import ServerArgs  # noqa: E402
 from sglite.messages import GenerateReq  # noqa: E402
 from sglite.model_executor.model_runner import ModelRunner  # noqa: E402
 from sglite.sampling_params import SamplingParams  # noqa: E402
-from sglite.scheduler.model_worker import ModelWorker  # noqa: E402
+from sglite.scheduler.process import scheduler_for_runner  # noqa: E402
 from sglite.scheduler.scheduler import Scheduler  # noqa: E402
 
 NANO_VLLM = {"output_tokens_per_s": 1434, "gpu": "RTX 4070 laptop", "model": "Qwen3-0.6B"}
@@ -90,21 +89,7 @@ def workload(n: int, max_len: int, vocab: int, seed: int = 0) -> list[tuple[list
 
 def build_engine(runner: ModelRunner, outputs: list) -> Scheduler:
     args = ServerArgs(model_path=str(runner.model_path)).resolved(runner.device.type)
-    core = sglite.core.load(
-        args.tree_core, page_size=args.page_size, eviction_policy=args.radix_eviction_policy
-    )
-    cfg = runner.model_config
-    return Scheduler(
-        args,
-        ModelWorker(runner, args.random_seed),
-        core=core,
-        allocator=runner.allocator,
-        req_to_token_pool=runner.req_to_token_pool,
-        context_length=cfg.context_length,
-        eos_token_ids=set(cfg.eos_token_ids),
-        decode_tail=lambda ids: "",
-        send=outputs.append,
-    )
+    return scheduler_for_runner(args, runner, outputs.append)
 
 
 def generate(sched: Scheduler, outputs: list, reqs: list[tuple[list[int], int]], tag: str) -> int:

@@ -12,8 +12,7 @@ import torch
 from sglite.config import ServerArgs
 from sglite.messages import GenerateReq
 from sglite.sampling_params import SamplingParams
-from sglite.scheduler.model_worker import ModelWorker
-from sglite.scheduler.scheduler import Scheduler
+from sglite.scheduler.process import scheduler_for_runner
 
 POLICIES = ["fcfs", "lpm", "dfs-weight", "lof", "random", "hrrn", "shortest-prefill-first"]
 NUM_REQS = 32
@@ -40,10 +39,10 @@ def make_workload(vocab: int, seed: int = 0):
 def hf_reference(model_dir, reqs) -> dict[str, list[int]]:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     out = {}
     with torch.inference_mode():
-        for rid, prompt, n in reqs:
+        for rid, prompt, n in reqs:  # greedy, exactly n tokens (no EOS stop)
             res = model(torch.tensor([prompt]), use_cache=True)
             past, tokens = res.past_key_values, [int(res.logits[0, -1].argmax())]
             while len(tokens) < n:
@@ -82,13 +81,13 @@ def run_engine(core, model_dir, reqs, *, page_size, policy, overlap, total_token
         disable_overlap_schedule=not overlap,
         debug_invariants=True,
         schedule_conservativeness=conserv,
+        tree_core=core.name,
     )  # eager admission: forces retraction
     outputs = []
-    sched = Scheduler(
-        args, ModelWorker(runner), core=core, allocator=runner.allocator,
-        req_to_token_pool=runner.req_to_token_pool, context_length=4096,
-        eos_token_ids=set(), decode_tail=lambda ids: "", send=outputs.append,
-    )  # fmt: skip
+    sched = scheduler_for_runner(args, runner, outputs.append)
+    assert sched.core.name == core.name
+    # exact-length outputs (no EOS stop, but no ignore_eos either: admission must estimate)
+    sched.stop_checker.eos_token_ids = set()
     for rid, prompt, n in reqs:
         sched.add_request(GenerateReq(rid, prompt, SamplingParams(max_new_tokens=n, temperature=0)))
     sched.run_until_idle()

@@ -20,12 +20,34 @@ logger = logging.getLogger(__name__)
 PARENT_CHECK_MS = 1000
 
 
+def scheduler_for_runner(args: ServerArgs, runner, send, send_control=None, decode_tail=None):
+    """A Scheduler driving `runner` (its pools, allocator and model) with `args`."""
+    import sglite.core
+    from sglite.scheduler.model_worker import ModelWorker
+    from sglite.scheduler.scheduler import Scheduler
+
+    core = sglite.core.load(
+        args.tree_core, page_size=args.page_size, eviction_policy=args.radix_eviction_policy
+    )
+    cfg = runner.model_config
+    return Scheduler(
+        args,
+        ModelWorker(runner, args.random_seed),
+        core=core,
+        allocator=runner.allocator,
+        req_to_token_pool=runner.req_to_token_pool,
+        context_length=cfg.context_length,
+        eos_token_ids=set(cfg.eos_token_ids),
+        decode_tail=decode_tail or (lambda ids: ""),
+        send=send,
+        send_control=send_control,
+    )
+
+
 def build_scheduler(args: ServerArgs, send, send_control) -> tuple[Any, dict[str, Any]]:
     """Load the model and build a Scheduler over it; returns (scheduler, ready info)."""
     import sglite.core
     from sglite.model_executor.model_runner import ModelRunner
-    from sglite.scheduler.model_worker import ModelWorker
-    from sglite.scheduler.scheduler import Scheduler
     from sglite.server.tokenizer import load_tokenizer
 
     runner = ModelRunner(
@@ -42,26 +64,18 @@ def build_scheduler(args: ServerArgs, send, send_control) -> tuple[Any, dict[str
         disable_cuda_graph=args.disable_cuda_graph,
         cuda_graph_max_bs=args.cuda_graph_max_bs,
     )
-    core = sglite.core.load(
-        args.tree_core, page_size=args.page_size, eviction_policy=args.radix_eviction_policy
-    )
     tokenizer = load_tokenizer(args.tokenizer_path or runner.tokenizer_path)
-    cfg = runner.model_config
-    sched = Scheduler(
+    sched = scheduler_for_runner(
         args,
-        ModelWorker(runner, args.random_seed),
-        core=core,
-        allocator=runner.allocator,
-        req_to_token_pool=runner.req_to_token_pool,
-        context_length=cfg.context_length,
-        eos_token_ids=set(cfg.eos_token_ids),
+        runner,
+        send,
+        send_control,
         decode_tail=lambda ids: tokenizer.decode(ids, skip_special_tokens=False),
-        send=send,
-        send_control=send_control,
     )
+    cfg = runner.model_config
     info = {
-        "model_path": args.model_path,
-        "tokenizer_path": args.tokenizer_path or runner.tokenizer_path,
+        "model_path": str(runner.model_path),
+        "tokenizer_path": str(args.tokenizer_path or runner.tokenizer_path),
         "context_length": cfg.context_length,
         "max_total_tokens": runner.allocator.capacity(),
         "max_running_requests": sched.max_running,
