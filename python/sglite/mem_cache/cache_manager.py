@@ -44,15 +44,9 @@ class CacheManager:
         if not self.enabled:
             req.match_len, req.match_node, req.match_slots = 0, 0, None
             return 0
-        fill = req.fill_ids
-        slots, node = self.tree.match_prefix(fill[: len(fill) - 1], req.extra_key)
+        slots, node = self.tree.match_prefix(req.fill_slice(0, req.fill_len - 1), req.extra_key)
         req.match_len, req.match_node, req.match_slots = len(slots), node, slots
         return len(slots)
-
-    def touch(self, req: Req) -> None:
-        """Refresh the LRU time of the request's cached prefix (no lock, no state)."""
-        if self.enabled:
-            self.tree.match_prefix(req.input_ids[: len(req.input_ids) - 1], req.extra_key)
 
     def lock(self, node: int) -> None:
         self.tree.lock(node)
@@ -127,7 +121,7 @@ class CacheManager:
         aligned = up_to // self.page_size * self.page_size
         if aligned <= req.cached_len:
             return
-        key = req.fill_ids[:aligned]
+        key = req.fill_slice(0, aligned)
         row_slots = self.table[req.row, :aligned].astype(np.int64)
         cached_len, node = self.tree.insert(key, row_slots, req.extra_key)
         if cached_len > req.cached_len:

@@ -88,12 +88,14 @@ class ScheduleBatch:
 
     def input_ids(self, future_of: dict[int, int]) -> np.ndarray:
         """Flat input ids; decode rows whose input is in flight get a future reference."""
-        out: list[int] = []
+        parts: list = []
         for req, s, e, dec in zip(self.reqs, self.starts, self.ends, self.is_decode):
             if not dec:
-                out.extend(req.fill_slice(s, e))
+                parts.append(req.fill_slice(s, e))
             elif id(req) in future_of:
-                out.append(-(future_of[id(req)] + 1))
+                parts.append(-(future_of[id(req)] + 1))
             else:  # the newest token of the request
-                out.append(req.output_ids[-1] if req.output_ids else req.input_ids[-1])
-        return np.asarray(out, dtype=np.int64)
+                parts.append(req.output_ids[-1] if req.output_ids else req.input_ids[-1])
+        if all(self.is_decode):
+            return np.asarray(parts, dtype=np.int64)
+        return np.concatenate([np.atleast_1d(np.asarray(p, dtype=np.int64)) for p in parts])

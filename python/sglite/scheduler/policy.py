@@ -26,13 +26,12 @@ IN_QUEUE_DEPRIORITIZE_THRESHOLD = 32
 
 
 class SchedulePolicy:
-    def __init__(self, policy: str, cache: CacheManager, core, eviction_policy: str, seed: int = 0):
+    def __init__(self, policy: str, cache: CacheManager, core, seed: int = 0):
         if not cache.enabled and policy in CACHE_AWARE:
             policy = "fcfs"  # nothing to be aware of
         self.policy = policy
         self.cache = cache
         self.core = core
-        self.eviction_policy = eviction_policy
         self.rng = random.Random(seed)
         self.num_passes = 0
         self.waiting_hit_tokens = 0  # metric: waiting tokens that would hit the cache
@@ -85,7 +84,7 @@ class SchedulePolicy:
         for r in queue:
             if r.match_len > IN_QUEUE_CHECK_THRESHOLD:
                 continue
-            ids = r.input_ids
+            ids = r.input_arr
             shared, _ = sim.match_prefix(ids)
             if len(shared) >= IN_QUEUE_DEPRIORITIZE_THRESHOLD:
                 out.add(id(r))

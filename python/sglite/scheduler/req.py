@@ -18,6 +18,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from sglite.sampling_params import SamplingParams
 
 STOP_STRING_TAIL_TOKENS = 8  # extra tokens decoded beyond the longest stop string's length
@@ -58,18 +60,21 @@ class Req:
     finish_sent: bool = False
     wait_since_processed: int = 0  # processed-token counter at arrival (HRRN aging)
 
+    def __post_init__(self) -> None:
+        # the prompt as one int64 array: the tree core and the forward read it without copies
+        self.input_arr = np.asarray(self.input_ids, dtype=np.int64)
+
     @property
     def fill_ids(self) -> list[int]:
         return self.input_ids + self.output_ids
 
-    def fill_slice(self, start: int, end: int) -> list[int]:
-        """fill_ids[start:end] without building the whole list."""
+    def fill_slice(self, start: int, end: int) -> np.ndarray:
+        """fill_ids[start:end] as int64 (a view while it stays inside the prompt)."""
         n = len(self.input_ids)
         if end <= n:
-            return self.input_ids[start:end]
-        if start >= n:
-            return self.output_ids[start - n : end - n]
-        return self.input_ids[start:] + self.output_ids[: end - n]
+            return self.input_arr[start:end]
+        out = np.asarray(self.output_ids[max(start - n, 0) : end - n], dtype=np.int64)
+        return out if start >= n else np.concatenate([self.input_arr[start:], out])
 
     @property
     def fill_len(self) -> int:
