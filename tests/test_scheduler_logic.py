@@ -315,3 +315,34 @@ def test_mixed_chunk_runs_decode_rows_in_prefill_batches(core):
     assert any(fi.mode == "mixed" for fi in worker.calls)
     res = h.results()
     assert all(res[rid]["ids"] == [100 + k for k in range(n + 5)] for rid, _, n in reqs)
+
+
+def test_in_queue_check_sends_one_of_many_sharing_an_uncached_prefix(core):
+    shared = list(range(500, 560))  # 60 tokens, nothing cached yet
+    prompts = {"a": shared + [1], "b": shared + [2], "other": [9] * 30, "c": shared + [3]}
+    worker = ScriptWorker({rid: len(p) for rid, p in prompts.items()})
+    h = Harness(
+        core,
+        worker=worker,
+        schedule_policy="lpm",
+        max_prefill_tokens=100,
+        chunked_prefill_size=-1,
+        disable_overlap_schedule=True,
+    )
+    for rid, prompt in prompts.items():
+        h.add(rid, prompt, max_new_tokens=1)
+    h.run()
+    # b and c step aside for the unrelated request, then find a's prefix in the cache
+    assert worker.calls[0].rids == ["a", "other"]
+    res = h.results()
+    assert res["a"]["cached"] == 0 and res["b"]["cached"] == 60 and res["c"]["cached"] == 60
+
+
+def test_max_running_requests_gates_admission(core):
+    worker = ScriptWorker({f"r{i}": 10 for i in range(5)})
+    h = Harness(core, worker=worker, max_running_requests=2, disable_overlap_schedule=True)
+    for i in range(5):
+        h.add(f"r{i}", list(range(10 * i + 1, 10 * i + 11)), max_new_tokens=4)
+    h.run()
+    assert max(fi.batch_size for fi in worker.calls) <= 2
+    assert all(h.results()[f"r{i}"]["ids"] == [100, 101, 102, 103] for i in range(5))
