@@ -121,3 +121,23 @@ def test_engine_on_tiny_model_matches_transformers(tiny_model_dir, tmp_path):
             assert out["meta_info"]["prompt_tokens"] == len(ids)
     assert not _wait_gone(children), "Engine left processes behind"
     assert not os.path.exists(ipc_dir)
+
+
+def test_engine_from_a_script_without_main_guard(tiny_model_dir, tmp_path):
+    """Spawned children must not re-run the user's script (no `if __name__` guard needed)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "noguard.py"
+    script.write_text(
+        "import sglite\n"
+        f"engine = sglite.Engine(model_path={str(tiny_model_dir('llama'))!r}, "
+        "max_total_tokens=1024, device='cpu')\n"
+        "out = engine.generate(input_ids=[5, 6, 7], sampling_params={'max_new_tokens': 3, "
+        "'temperature': 0})\n"
+        "print('TOKENS', out['output_ids'])\n"
+        "engine.shutdown()\n"
+    )
+    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.count("TOKENS") == 1

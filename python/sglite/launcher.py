@@ -15,9 +15,11 @@ import multiprocessing as mp
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass
 from multiprocessing.connection import wait as wait_any
 from typing import Any
@@ -106,7 +108,8 @@ class ProcessGroup:
                 daemon=True,
                 args=(entry, self.server_args, self.ipc, child_conn, os.getpid()),
             )
-            proc.start()
+            with _main_module_hidden():
+                proc.start()
             child_conn.close()
             self.procs[name], self._conns[name] = proc, parent_conn
         return self._wait_ready()
@@ -333,3 +336,25 @@ def launch_server(
         backend.shutdown()
         logger.info("shut down")
     return exit_code
+
+
+@contextmanager
+def _main_module_hidden():
+    """Spawn children without re-running the user's script in them.
+
+    multiprocessing's spawn re-imports `__main__` in every child, so a script that builds an
+    Engine at top level (no `if __name__ == "__main__":` guard, or code piped to stdin)
+    would start engines recursively or fail. Our children only need sglite's own modules.
+    """
+    main = sys.modules.get("__main__")
+    saved = {k: main.__dict__[k] for k in ("__file__", "__spec__") if main and k in main.__dict__}
+    if main is not None:
+        main.__dict__.pop("__file__", None)
+        main.__spec__ = None
+    try:
+        yield
+    finally:
+        if main is not None:
+            main.__dict__.update(saved)
+            if "__spec__" not in saved:
+                main.__dict__.pop("__spec__", None)
