@@ -80,6 +80,9 @@ class ServerArgs:
         "Tree core: python, rust or auto (default: SGL_TREE_CORE or python).",
         choices=("python", "rust", "auto"),
     )
+    max_queued_requests: int = _f(
+        1024, "Requests in flight (queued or running) beyond which new ones get HTTP 503."
+    )
     schedule_conservativeness: float = _f(
         1.0,
         "Scales the initial new_token_ratio (0.7): "
@@ -125,6 +128,10 @@ class ServerArgs:
                 "schedule_conservativeness",
                 f"must be in (0, 10], got {self.schedule_conservativeness}",
             )
+        if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
+            bad("cuda_graph_max_bs", f"must be >= 1, got {self.cuda_graph_max_bs}")
+        if self.max_queued_requests < 1:
+            bad("max_queued_requests", f"must be >= 1, got {self.max_queued_requests}")
         if self.stream_interval < 1:
             bad("stream_interval", f"must be >= 1, got {self.stream_interval}")
         for name in (

@@ -38,7 +38,6 @@ from sglite.server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
 
-MAX_INFLIGHT_REQUESTS = 1024  # beyond this a new request gets 503 instead of queueing forever
 CONTROL_TIMEOUT_S = 10.0
 SEND_RETRY_S = 2.0  # the scheduler's connection may still be settling right after start-up
 
@@ -86,7 +85,7 @@ class TokenizerManager:
         tokenizer: Any,
         ipc: IpcNames,
         *,
-        max_inflight: int = MAX_INFLIGHT_REQUESTS,
+        max_inflight: int | None = None,
     ):
         self.server_args = server_args
         self.model_info = model_info
@@ -96,7 +95,8 @@ class TokenizerManager:
         self.vocab_size = int(model_info["vocab_size"])
         self.max_total_tokens = model_info.get("max_total_tokens")
         self.served_model_name = server_args.served_model_name or server_args.model_path
-        self.max_inflight = max_inflight
+        # beyond this a new request gets 503 instead of queueing forever
+        self.max_inflight = max_inflight or getattr(server_args, "max_queued_requests", 1024)
         self.metrics = ServerMetrics(self.served_model_name)
         self.states: dict[str, ReqState] = {}
         self.inputs = InputProcessor(
