@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -23,6 +22,7 @@ class LogitsProcessor(nn.Module):
         if batch.forward_mode.is_extend() and not batch.return_all_logits:
             lens = batch.extend_seq_lens_cpu
             if len(lens) != hidden.shape[0] or max(lens) != 1:
-                last = torch.from_numpy(np.cumsum(lens) - 1).to(hidden.device)
+                # on the device already: no blocking host-to-device copy in the forward
+                last = torch.cumsum(batch.extend_seq_lens, 0) - 1
                 hidden = hidden.index_select(0, last)
         return lm_head(hidden).float()
