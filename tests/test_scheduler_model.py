@@ -114,3 +114,30 @@ def test_greedy_tokens_match_transformers(core, reference, policy, overlap, page
     assert sched.cache.num_evicted_tokens > 0, "the workload must evict"
     assert c["num_retracted_reqs"] > 0, "the workload must retract"
     assert c["num_cached_tokens_total"] > 0, "shared prefixes must hit the cache"
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
+def test_mirrored_request_table_path(core, reference, overlap):
+    """On CUDA the scheduler writes a host mirror of the request table and ships the rows of
+    each batch with it; force that path on CPU so it is tested without a GPU."""
+    import numpy as np
+
+    from sglite.mem_cache.cache_manager import CacheManager
+
+    real_init = CacheManager.__init__
+
+    def mirrored_init(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        self.table = np.zeros_like(self.table)  # a separate host table, as on CUDA
+        self.mirrored = True
+
+    model_dir, reqs, expected = reference
+    mp = pytest.MonkeyPatch()
+    mp.setattr(CacheManager, "__init__", mirrored_init)
+    try:
+        got, sched = run_engine(core, model_dir, reqs, page_size=16, policy="lpm", overlap=overlap)
+    finally:
+        mp.undo()
+    assert sched.cache.mirrored
+    for rid, _, _ in reqs:
+        assert got[rid] == expected[rid], f"{rid} differs from transformers"
