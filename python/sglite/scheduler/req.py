@@ -7,8 +7,8 @@ Who owns which part of a request's KV row (`row`, a ReqToTokenPool row):
     positions [0, kv_len)               hold computed KV (or KV being computed by a launched batch)
 
 `cached_len` is page-aligned. `kv_len <= alloc_len`; in the overlap loop `alloc_len` may run one
-token ahead of what result processing has seen. The token at position p is `fill_ids[p]`,
-where fill_ids = prompt + processed output; decode rows whose input token is still being
+token ahead of what result processing has seen. The token at position p is fill[p],
+where fill = prompt + processed output (`fill_slice`); decode rows whose input token is still being
 sampled by the in-flight batch use a future reference instead (see scheduler/worker.py).
 """
 
@@ -63,10 +63,6 @@ class Req:
     def __post_init__(self) -> None:
         # the prompt as one int64 array: the tree core and the forward read it without copies
         self.input_arr = np.asarray(self.input_ids, dtype=np.int64)
-
-    @property
-    def fill_ids(self) -> list[int]:
-        return self.input_ids + self.output_ids
 
     def fill_slice(self, start: int, end: int) -> np.ndarray:
         """fill_ids[start:end] as int64 (a view while it stays inside the prompt)."""
