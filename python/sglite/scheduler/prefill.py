@@ -95,7 +95,7 @@ class PrefillManager:
                     req.cached_tokens = e.start
                     s.counters["num_prompt_tokens_total"] += len(req.input_ids)
                     s.counters["num_cached_tokens_total"] += e.start
-            req.kv_len = req.extend_end = e.end
+            req.kv_len = e.end
             if not e.is_last_chunk:
                 s.counters["num_chunks"] += 1
         self.chunked_req = adder.new_chunked_req

@@ -47,7 +47,6 @@ class PrefillAdder:
         )
         self.entries: list[PrefillEntry] = []
         self.new_chunked_req: Req | None = None
-        self.num_hit_tokens = 0
 
     def add_chunked(self, req: Req) -> int:
         """Schedule the next slice of the request being chunked (always progresses)."""
@@ -73,7 +72,6 @@ class PrefillAdder:
         if not admitted:
             self.cache.unlock(req.match_node)
             return state
-        self.num_hit_tokens += req.match_len
         self._admit(req, req.match_len, req.match_len + granted)
         return state
 

@@ -49,7 +49,6 @@ class Req:
     match_node: int = 0
     match_slots: Any = None
     # scheduling
-    extend_end: int = 0  # end of the slice being prefilled
     num_retractions: int = 0
     epoch: int = 0  # bumped on retraction: in-flight results of an older epoch are dropped
     scheduled_outputs: int = 0  # output tokens scheduled (processed or in flight)
@@ -102,7 +101,6 @@ class Req:
         self.cached_len = self.kv_len = self.alloc_len = 0
         self.lock_node = None
         self.match_len, self.match_node, self.match_slots = 0, 0, None
-        self.extend_end = 0
         self.scheduled_outputs = len(self.output_ids)
         self.num_retractions += 1
         self.epoch += 1
