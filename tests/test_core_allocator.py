@@ -130,3 +130,43 @@ def test_matches_naive_reference(core):
     assert len(held_pages) * ps + a.available_size() == 4096
     all_slots = [s for seq in owned.values() for s in seq]
     assert len(all_slots) == len(set(all_slots))
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_alloc_extend_longer_than_the_pool_is_none(core, page_size):
+    """Every position of a request has its own slot: seq_len > capacity can never be held,
+    however few new pages it needs, so the answer is None and nothing changes."""
+    ps = page_size
+    a = core.PageAllocator(8 * ps + ps - 1, page_size=ps)  # the odd tail makes no page
+    cap = a.capacity()
+    assert cap == 8 * ps
+    held = a.alloc(2 * ps)  # two pages held by some request
+    free_before = a.available_size()
+    # a prefix as long as the pool: one new page would do, but the request cannot fit
+    assert a.alloc_extend([cap], [cap + 1], [-1]) is None
+    # an unaligned prefix whose partial page is held (a valid last_loc): few new pages
+    if ps > 1:
+        p = cap - 1
+        last = int(held[(p - 1) % ps])
+        assert (last + 1) % ps == p % ps
+        assert a.alloc_extend([p], [cap + 1], [last]) is None
+    # one request of a batch over the pool: the whole call is refused
+    assert a.alloc_extend([0, 0], [1, cap + 1], [-1, -1]) is None
+    assert a.alloc_decode([cap + 1], [int(held[-1])]) is None
+    assert a.available_size() == free_before
+    # argument errors come first
+    with pytest.raises(ValueError):
+        a.alloc_extend([cap + 2], [cap + 1], [-1])
+    with pytest.raises(ValueError):
+        a.alloc_extend([0, 0], [cap + 1], [-1, -1])
+    # exactly the capacity is not refused for its length (only for want of pages)
+    assert a.alloc_extend([0], [cap], [-1]) is None
+    a.free(held)
+    assert len(a.alloc_extend([0], [cap], [-1])) == cap
+
+
+def test_alloc_extend_on_an_empty_pool(core):
+    a = core.PageAllocator(3, page_size=4)  # no whole page: capacity 0
+    assert a.capacity() == 0
+    assert a.alloc_extend([0], [0], [-1]).tolist() == []
+    assert a.alloc_extend([0], [1], [-1]) is None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 
@@ -109,3 +110,48 @@ def test_bad_arguments(core):
         b.add_req(-1, 0, 1, 1)
     with pytest.raises(ValueError):
         b.add_req(100, 0, 1, -1)
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+@pytest.mark.parametrize("capacity", [0, 1, 17, 64, 1000, 4096 + 40])
+@pytest.mark.parametrize("prompt_len", [1, 3, 16, 33, 500])
+def test_max_new_tokens_limit_is_add_reqs_rule(core, page_size, capacity, prompt_len):
+    """The limit is the largest max_new_tokens that add_req admits into an idle pool."""
+    limit = core.PrefillBudget.max_new_tokens_limit(capacity, page_size, prompt_len)
+    assert limit == capacity - page_size - prompt_len - 1
+    if limit >= 0:
+        admitted = core.PrefillBudget(page_size, rem_input_tokens=10_000)
+        ok, _, granted = admitted.add_req(capacity, 0, prompt_len, limit)
+        assert ok and granted == prompt_len
+    if limit + 1 < core.CLIP_MAX_NEW_TOKENS:
+        refused = core.PrefillBudget(page_size, rem_input_tokens=10_000)
+        no_token = (False, core.AddReqResult.NO_TOKEN, 0)
+        assert refused.add_req(capacity, 0, prompt_len, max(limit + 1, 0)) == no_token
+
+
+def test_max_new_tokens_limit_above_the_clip_admits_anything(core):
+    limit = core.PrefillBudget.max_new_tokens_limit(10_000, 4, 100)
+    assert limit == 10_000 - 4 - 100 - 1 > core.CLIP_MAX_NEW_TOKENS
+    b = core.PrefillBudget(4, rem_input_tokens=10_000)
+    assert b.add_req(10_000, 0, 100, 10**9)[0]  # the estimate clips max_new at 4096
+
+
+def test_max_new_tokens_limit_is_static_and_validated(core):
+    limit = core.PrefillBudget.max_new_tokens_limit
+    assert core.PrefillBudget(4, 100).max_new_tokens_limit(64, 4, 10) == limit(64, 4, 10) == 49
+    assert limit(capacity=0, page_size=1, prompt_len=0) == -2  # < 1: cannot fit
+    assert limit(np.int64(64), np.int32(4), np.uint8(10)) == 49
+    for bad in (
+        (-1, 1, 1),
+        (10, 0, 1),
+        (10, -4, 1),
+        (10, 1, -1),
+        (10.0, 1, 1),
+        (10, 1.5, 1),
+        (10, 1, "3"),
+        (True, 1, 1),
+        (10, True, 1),
+        (10, 1, None),
+    ):
+        with pytest.raises(ValueError):
+            limit(*bad)

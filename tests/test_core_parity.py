@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -361,6 +361,31 @@ class TreeCoreParity(RuleBasedStateMachine):
         if len(slots):
             assert self.alloc.call("free", slots) == Failed(ValueError)
 
+    @rule(prefix_pages=st.integers(0, 48), offset=st.integers(0, 15), extra=st.integers(0, 40))
+    def alloc_extend_long(self, prefix_pages: int, offset: int, extra: int) -> None:
+        """A request near or past the pool's size, often with a prefix so long that few new
+        pages are needed: past capacity() both backends must answer None, and nothing changes."""
+        ps = self.ps
+        prefix_len = min(prefix_pages * ps, self.capacity + ps)
+        last_loc, held = -1, None
+        if offset % ps and prefix_len >= ps:
+            # an unaligned prefix continues a page it holds: take one, end the prefix inside it
+            held = self.alloc.call("alloc", ps)
+            if held is not None:
+                prefix_len -= ps - offset % ps
+                last_loc = int(held[offset % ps - 1])
+        seq_len = max(prefix_len, self.capacity - 2 * ps) + extra
+        before = self.alloc.call("available_size")
+        slots = self.alloc.call("alloc_extend", [prefix_len], [seq_len], [last_loc])
+        assert not isinstance(slots, Failed)
+        if seq_len > self.capacity:
+            assert slots is None and self.alloc.call("available_size") == before
+        if isinstance(slots, np.ndarray):  # free the new pages; the continued one is `held`
+            continued = min(seq_len, -(-prefix_len // ps) * ps) - prefix_len
+            self.free(slots[continued:])
+        if held is not None:
+            self.free(held)
+
     # ------------------------------------------------------------ bad input changes nothing
     @rule(call=st.sampled_from(BAD_TREE_CALLS + BAD_ALLOCATOR_CALLS))
     def bad_call(self, call: tuple) -> None:
@@ -407,6 +432,7 @@ class BudgetParity(RuleBasedStateMachine):
         mixed=st.integers(0, 64),
     )
     def setup(self, page_size: int, rem_input: int, rem_chunk: int | None, mixed: int) -> None:
+        self.ps = page_size
         self.budget = both("PrefillBudget", page_size, rem_input, rem_chunk, mixed)
 
     @rule(
@@ -428,7 +454,14 @@ class BudgetParity(RuleBasedStateMachine):
         available=st.integers(-1, 20000), prefix=st.integers(-1, 3000), extend=SIZES, max_new=SIZES
     )
     def add_req(self, available: int, prefix: int, extend: int, max_new: int) -> None:
-        self.budget.call("add_req", available, prefix, extend, max_new)
+        room = available - self.budget.py.total_offset
+        outcome = self.budget.call("add_req", available, prefix, extend, max_new)
+        if isinstance(outcome, Failed):
+            return
+        # the one admission rule: NO_TOKEN iff the clipped max_new is over the limit
+        limit = PY.PrefillBudget.max_new_tokens_limit(room, self.ps, extend) if room >= 0 else -1
+        over = min(max_new, PY.CLIP_MAX_NEW_TOKENS) > limit
+        assert (outcome[1] == PY.AddReqResult.NO_TOKEN and not outcome[0]) == over, outcome
 
     @rule(
         available=st.integers(-1, 20000),
@@ -449,6 +482,30 @@ class BudgetParity(RuleBasedStateMachine):
             "num_admitted",
         ):
             assert_same(getattr(self.budget.py, name), getattr(self.budget.rs, name), name)
+
+
+LIMIT_ARGS = st.one_of(
+    st.integers(-3, 20_000),
+    st.sampled_from([True, 1.0, "4", None, np.int32(7), np.uint64(9), -(2**40)]),
+)
+
+
+@needs_rust
+@PARITY
+@given(capacity=LIMIT_ARGS, page_size=LIMIT_ARGS, prompt_len=LIMIT_ARGS)
+def test_max_new_tokens_limit_parity(capacity: Any, page_size: Any, prompt_len: Any) -> None:
+    """Same limit or same exception; and on both backends the limit is add_req's edge."""
+    pair = Pair(PY.PrefillBudget, RS.PrefillBudget)
+    limit = pair.call("max_new_tokens_limit", capacity, page_size, prompt_len)
+    if isinstance(limit, Failed) or prompt_len < 1 or limit + 1 >= PY.CLIP_MAX_NEW_TOKENS:
+        return
+    for backend in (PY, RS):
+        if limit >= 0:
+            admit = backend.PrefillBudget(page_size, 10**6).add_req(capacity, 0, prompt_len, limit)
+            assert admit[0] and admit[2] == prompt_len, (backend.name, admit)
+        refuse = backend.PrefillBudget(page_size, 10**6)
+        verdict = refuse.add_req(capacity, 0, prompt_len, max(limit + 1, 0))
+        assert verdict == (False, backend.AddReqResult.NO_TOKEN, 0), (backend.name, verdict)
 
 
 # ---------------------------------------------------------------------------- the tests

@@ -15,13 +15,22 @@ API (same in both backends)
   budget is spent, OTHER when the input or chunk budget is, else CONTINUE.
 - `add_req(available, prefix_len, extend_len, max_new_tokens) -> (admitted, state, extend_len)`:
   charge a new request: ceil_page(extend) + page_size + min(max_new, 4096). NO_TOKEN if that
-  does not fit strictly under the remaining memory. With chunking off, a request that would
-  reach the input budget is refused (OTHER) unless it is the first. With chunking on, a
-  request over the chunk budget is cut so that prefix + extend ends on a page boundary; a cut
-  request reserves no decode tokens. On admission `state` is the verdict for the next one.
+  does not fit strictly under the remaining memory, i.e. iff min(max_new, 4096) exceeds the
+  limit of `max_new_tokens_limit` with room = available - total_offset (the one admission
+  rule, tested before the extend is paged or chunked). With chunking off, a request that
+  would reach the input budget is refused (OTHER) unless it is the first. With chunking on,
+  a request over the chunk budget is cut so that prefix + extend ends on a page boundary; a
+  cut request reserves no decode tokens. On admission `state` is the verdict for the next one.
 - `add_chunk(available, prefix_len, remaining_len, max_new_tokens) -> (state, extend_len)`:
   the next slice of the request being chunked; it always progresses. Decode tokens are
   reserved only with the last slice.
+- `PrefillBudget.max_new_tokens_limit(capacity, page_size, prompt_len) -> int` (static): the
+  largest max_new_tokens with which add_req admits a prompt of `prompt_len` tokens into an idle
+  pool of `capacity` tokens (available == capacity, nothing reserved):
+  capacity - page_size - prompt_len - 1. Callers treat a limit below 1 as "cannot fit" (it is
+  negative when not even the prompt fits); at 4096 or more any max_new_tokens is admitted,
+  since add_req clips it. Front ends use it to refuse up front a request that the scheduler
+  could never admit (it would wait forever).
 - Read-only properties: total_offset, current_offset, rem_input_tokens, rem_chunk_tokens
   (None when off), num_admitted.
 """
@@ -88,6 +97,16 @@ class PrefillBudget:
         return self._num_admitted
 
     # ---------------------------------------------------------------- operations
+    @staticmethod
+    def max_new_tokens_limit(capacity: int, page_size: int, prompt_len: int) -> int:
+        """The largest max_new_tokens add_req admits for a prompt into an idle pool."""
+        capacity = as_size(capacity, "capacity")
+        page_size = as_int(page_size, "page_size")
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        prompt_len = as_size(prompt_len, "prompt_len")
+        return _max_new_limit(capacity, prompt_len, page_size)
+
     def reserve_running(
         self, remaining_new_tokens: Any, ignore_eos: Any, new_token_ratio: float
     ) -> int:
@@ -124,7 +143,7 @@ class PrefillBudget:
         if extend_len < 1:
             raise ValueError("extend_len must be >= 1: every admitted request computes a token")
         max_new = min(as_size(max_new_tokens, "max_new_tokens"), CLIP_MAX_NEW_TOKENS)
-        if extend_len + max_new + self._ps >= available - self._total_offset:
+        if max_new > _max_new_limit(available - self._total_offset, extend_len, self._ps):
             return False, AddReqResult.NO_TOKEN, 0
         paged = self._ceil_page(extend_len)
         if self._rem_chunk is None or paged <= self._rem_chunk:
@@ -180,3 +199,10 @@ class PrefillBudget:
 
     def _floor_page(self, n: int) -> int:
         return n // self._ps * self._ps
+
+
+def _max_new_limit(room: int, extend_len: int, page_size: int) -> int:
+    """The admission rule: a request fits iff extend_len + max_new + page_size < room, i.e.
+    iff its (clipped) max_new is at most this. The page of slack stands in for rounding the
+    extend up to whole pages."""
+    return room - extend_len - page_size - 1

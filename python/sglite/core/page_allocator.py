@@ -8,6 +8,10 @@ Contract (the Rust core behaves the same, down to the order slots are handed out
   distinct pages of the given slots in ascending page order.
 - `alloc(n)` (n a multiple of page_size), `alloc_extend` and `alloc_decode` return None and
   change nothing when there are not enough free pages; they never return a partial result.
+- `alloc_extend` and `alloc_decode` also return None, after validating their arguments (a bad
+  argument raises ValueError first) and before taking any page, when some request's seq_len
+  exceeds `capacity()`: every position of a request has its own slot, so such a request can
+  never be held, however few new pages it would need on top of its prefix.
 - `free` of a slot in page 0, outside the pool, or in a page that is already free (or already
   staged in the current free group) raises ValueError and changes nothing.
 - Between `free_group_begin()` and `free_group_end()` frees are validated and staged; they
@@ -113,9 +117,9 @@ class PageAllocator:
         ps = self.page_size
         for i in range(len(prefix)):
             self._check_request(i, int(prefix[i]), int(seq[i]), int(last[i]))
-        need = -(-seq // ps) - -(-prefix // ps)
-        if int(seq.max(initial=0)) > (self.num_pages + 1) * ps:
+        if int(seq.max(initial=0)) > self.capacity():
             return None  # more than the pool could ever hold
+        need = -(-seq // ps) - -(-prefix // ps)
         pages = self._take(int(need.sum()))
         if pages is None:
             return None

@@ -5,8 +5,11 @@
 //! - `reserve_running`: each running request reserves min(remaining, 4096) tokens, times
 //!   `new_token_ratio` (floored) unless it ignores EOS.
 //! - `add_req`: charge ceil_page(extend) + page_size + min(max_new, 4096); NO_TOKEN when it does not
-//!   fit strictly under the remaining memory; chunking cuts a request so that prefix + extend ends
-//!   on a page boundary, and a cut request reserves no decode tokens.
+//!   fit strictly under the remaining memory, i.e. when min(max_new, 4096) exceeds
+//!   `max_new_limit(available - total_offset, extend, page_size)`, the one admission rule;
+//!   chunking cuts a request so that prefix + extend ends on a page boundary, and a cut request
+//!   reserves no decode tokens.
+//! - `max_new_tokens_limit`: the same rule for a prompt alone in an idle pool, for front ends.
 //! - `add_chunk`: the next slice of the request being chunked; it always progresses.
 //!
 //! Sizes are i64 at the edge and i128 inside, so no sum can overflow.
@@ -34,6 +37,20 @@ pub struct PrefillBudget {
     num_admitted: u64,
 }
 
+fn check_page_size(page_size: i64) -> CoreResult<i128> {
+    if page_size < 1 {
+        return bad(format!("page_size must be >= 1, got {page_size}"));
+    }
+    Ok(i128::from(page_size))
+}
+
+/// The admission rule: a request fits iff extend_len + max_new + page_size < room, i.e. iff its
+/// (clipped) max_new is at most this. The page of slack stands in for rounding the extend up to
+/// whole pages.
+fn max_new_limit(room: i128, extend_len: i128, page_size: i128) -> i128 {
+    room - extend_len - page_size - 1
+}
+
 fn size(value: i64, name: &str) -> CoreResult<i128> {
     if value < 0 {
         return bad(format!("{name} must be >= 0, got {value}"));
@@ -49,9 +66,7 @@ impl PrefillBudget {
         rem_chunk_tokens: Option<i64>,
         num_mixed_decode_tokens: i64,
     ) -> CoreResult<Self> {
-        if page_size < 1 {
-            return bad(format!("page_size must be >= 1, got {page_size}"));
-        }
+        let ps = check_page_size(page_size)?;
         let mixed = size(num_mixed_decode_tokens, "num_mixed_decode_tokens")?;
         let rem_input = size(rem_input_tokens, "rem_input_tokens")? - mixed;
         let rem_chunk = match rem_chunk_tokens {
@@ -59,13 +74,27 @@ impl PrefillBudget {
             Some(c) => Some(size(c, "rem_chunk_tokens")? - mixed),
         };
         Ok(Self {
-            ps: i128::from(page_size),
+            ps,
             rem_input,
             rem_chunk,
             total_offset: mixed,
             current_offset: mixed,
             num_admitted: 0,
         })
+    }
+
+    /// The largest `max_new_tokens` with which `add_req` admits a prompt of `prompt_len` tokens
+    /// into an idle pool of `capacity` tokens: capacity - page_size - prompt_len - 1. Callers
+    /// treat a limit below 1 as "cannot fit"; from 4096 up `add_req` admits any max_new.
+    pub fn max_new_tokens_limit(
+        capacity: i64,
+        page_size: i64,
+        prompt_len: i64,
+    ) -> CoreResult<i128> {
+        let capacity = size(capacity, "capacity")?;
+        let ps = check_page_size(page_size)?;
+        let prompt_len = size(prompt_len, "prompt_len")?;
+        Ok(max_new_limit(capacity, prompt_len, ps))
     }
 
     pub fn total_offset(&self) -> i128 {
@@ -141,7 +170,7 @@ impl PrefillBudget {
             return bad("extend_len must be >= 1: every admitted request computes a token".into());
         }
         let mut max_new = size(max_new_tokens, "max_new_tokens")?.min(CLIP_MAX_NEW_TOKENS.into());
-        if extend_len + max_new + self.ps >= available - self.total_offset {
+        if max_new > max_new_limit(available - self.total_offset, extend_len, self.ps) {
             return Ok((false, AddReqResult::NoToken, 0));
         }
         let paged = self.ceil_page(extend_len);
@@ -322,6 +351,30 @@ mod tests {
         assert_eq!(b.floor_page(-5), -8);
         assert_eq!(b.ceil_page(-5), -4);
         assert_eq!(b.state(100).unwrap(), AddReqResult::Other);
+    }
+
+    #[test]
+    fn max_new_tokens_limit_is_add_reqs_rule() {
+        for ps in [1, 4, 16] {
+            for (capacity, prompt_len) in [(64, 1), (64, 17), (1000, 333), (4000, 60)] {
+                let limit = PrefillBudget::max_new_tokens_limit(capacity, ps, prompt_len).unwrap();
+                assert_eq!(limit, i128::from(capacity - ps - prompt_len - 1));
+                let max_new = i64::try_from(limit).unwrap();
+                let mut b = PrefillBudget::new(ps, 10_000, None, 0).unwrap();
+                assert!(b.add_req(capacity, 0, prompt_len, max_new).unwrap().0);
+                let mut b = PrefillBudget::new(ps, 10_000, None, 0).unwrap();
+                assert_eq!(
+                    b.add_req(capacity, 0, prompt_len, max_new + 1).unwrap(),
+                    (false, AddReqResult::NoToken, 0)
+                );
+            }
+        }
+        assert_eq!(PrefillBudget::max_new_tokens_limit(0, 1, 0).unwrap(), -2);
+        assert!(PrefillBudget::max_new_tokens_limit(-1, 1, 0).is_err());
+        assert!(PrefillBudget::max_new_tokens_limit(1, 0, 0).is_err());
+        assert!(PrefillBudget::max_new_tokens_limit(1, 1, -1).is_err());
+        let extreme = PrefillBudget::max_new_tokens_limit(0, i64::MAX, i64::MAX).unwrap();
+        assert_eq!(extreme, -2 * i128::from(i64::MAX) - 1);
     }
 
     #[test]

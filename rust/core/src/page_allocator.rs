@@ -5,6 +5,9 @@
 //! - Free pages form a FIFO queue: allocation takes from the head; `free` appends the distinct
 //!   pages of the given slots, in ascending page order, to the tail.
 //! - Allocation returns `None` and changes nothing when there are not enough free pages.
+//!   `alloc_extend` and `alloc_decode` also return `None`, after validating their arguments and
+//!   before taking any page, when a request's seq_len exceeds `capacity()`: every position has its
+//!   own slot, so such a request can never be held, however small its need of new pages.
 //! - A slot in page 0, outside the pool, or in a page already free (or staged) is rejected and
 //!   nothing changes. Between `free_group_begin` and `free_group_end` frees are validated and
 //!   staged; they become free, in staging order, at the end.
@@ -186,6 +189,10 @@ impl PageAllocator {
         for i in 0..n {
             self.check_request(i, prefix_lens[i], seq_lens[i], last_locs[i])?;
         }
+        // seq_lens are >= 0 here (checked), so the cast is exact.
+        if seq_lens.iter().any(|&s| s as u64 > self.capacity() as u64) {
+            return Ok(None); // more than the pool could ever hold
+        }
         let ps = self.page_size as i64;
         let need = |i: usize| (ceil_div(seq_lens[i], ps) - ceil_div(prefix_lens[i], ps)) as u64;
         let total: u64 = (0..n).fold(0u64, |acc, i| acc.saturating_add(need(i)));
@@ -336,6 +343,10 @@ mod tests {
         assert!(a.alloc_extend(&[6], &[7], &[8]).is_err()); // wrong offset
         assert!(a.alloc_extend(&[2], &[1], &[5]).is_err());
         assert_eq!(a.alloc_extend(&[0], &[100], &[-1]).unwrap(), None);
+        // Longer than the pool: None even when the prefix leaves a single page to take.
+        assert_eq!(a.alloc_extend(&[16], &[17], &[-1]).unwrap(), None);
+        assert_eq!(a.alloc_extend(&[15], &[17], &[6]).unwrap(), None);
+        assert!(a.alloc_extend(&[18], &[17], &[-1]).is_err()); // bad arguments first
         let dec = a.alloc_decode(&[11], &[13]).unwrap().unwrap();
         assert_eq!(dec, vec![14]);
         assert!(a.alloc_decode(&[0], &[-1]).is_err());

@@ -55,6 +55,26 @@ impl PyPrefillBudget {
         Ok(Self { inner })
     }
 
+    /// The largest max_new_tokens with which add_req admits a prompt of `prompt_len` tokens
+    /// into an idle pool of `capacity` tokens (capacity - page_size - prompt_len - 1).
+    #[staticmethod]
+    fn max_new_tokens_limit(
+        capacity: &Bound<'_, PyAny>,
+        page_size: &Bound<'_, PyAny>,
+        prompt_len: &Bound<'_, PyAny>,
+    ) -> PyResult<i128> {
+        // Converted in the Python twin's order, so the first bad argument is the one named.
+        let capacity = as_size(capacity, "capacity")?;
+        let page_size = crate::convert::as_int(page_size, "page_size")?;
+        if page_size < 1 {
+            return Err(value_error(format!(
+                "page_size must be >= 1, got {page_size}"
+            )));
+        }
+        let prompt_len = as_size(prompt_len, "prompt_len")?;
+        PrefillBudget::max_new_tokens_limit(capacity, page_size, prompt_len).map_err(core_err)
+    }
+
     #[getter]
     fn total_offset(&self) -> i128 {
         self.inner.total_offset()
