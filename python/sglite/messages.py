@@ -33,11 +33,14 @@ class GenerateReq:
 
 @dataclass
 class AbortReq:
-    """Abort every request whose id starts with `rid` (all when abort_all)."""
+    """Abort every request whose id starts with `rid` (SGLang's /abort_request), all when
+    `abort_all`, or only the request whose id is exactly `rid` when `exact` (a client that
+    disconnected, a request the detokenizer failed on)."""
 
     rid: str = ""
     abort_all: bool = False
     message: str = "aborted by the client"
+    exact: bool = False
 
 
 @dataclass

@@ -86,6 +86,10 @@ class ScheduleBatch:
     def num_tokens(self) -> int:
         return sum(e - s for s, e in zip(self.starts, self.ends))
 
+    def describe(self) -> str:
+        """For logs and the watchdog: `decode batch of 12 requests`."""
+        return f"{self.mode.value} batch of {len(self.reqs)} requests"
+
     def input_ids(self, future_of: dict[int, int]) -> np.ndarray:
         """Flat input ids; decode rows whose input is in flight get a future reference."""
         parts: list = []

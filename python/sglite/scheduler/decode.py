@@ -1,9 +1,12 @@
 """DecodeManager: the next decode batch, its KV slots, retraction, and new_token_ratio.
 
-When one more token per running request does not fit (after evicting from the tree), the
-requests with the fewest decoded tokens (ties: longest prompt) are retracted until it does:
-their KV is freed without being inserted, and they go back to the front of the waiting queue
-to be prefilled again (prompt + what they generated). new_token_ratio, the share of each
+When one more token per running request does not fit (after evicting from the tree), and no
+in-flight result is about to free memory (then the step is skipped instead), the requests
+with the fewest decoded tokens (ties: longest prompt) are retracted until it does: their KV
+is freed without being inserted, and they go back to the front of the waiting queue to be
+prefilled again (prompt + what they generated). The request being chunked is a candidate
+too (it holds KV and decodes nothing). A request is aborted (503) only when it does not fit
+even alone, which admission rules out for every request it accepted. new_token_ratio, the share of each
 request's remaining max_new_tokens that admission reserves, starts at 0.7, decays by
 (0.7 - 0.098) / 600 per decode step, and jumps after a retraction.
 """
@@ -66,6 +69,8 @@ class DecodeManager:
             return None
         if self.s.cache.can_decode(reqs):
             self.ratio.decay_step()
+        elif self.s.frees_in_flight():
+            return None  # the pending result frees memory: wait for it rather than retract
         else:
             reqs = self._retract(reqs)
             if not reqs:
@@ -99,22 +104,29 @@ class DecodeManager:
 
     def _retract(self, reqs: list[Req]) -> list[Req]:
         s = self.s
-        order = sorted(reqs, key=lambda r: (len(r.output_ids), -len(r.input_ids)), reverse=True)
+        chunked = s.prefill.chunked_req
+        candidates = reqs + [chunked] if chunked is not None else list(reqs)
+        # pop() takes the fewest decoded (ties: longest prompt) first
+        order = sorted(
+            candidates, key=lambda r: (len(r.output_ids), -len(r.input_ids)), reverse=True
+        )
+        kept = list(reqs)
         retracted: list[Req] = []
-        while order and not s.cache.can_decode(order):
+        while kept and not s.cache.can_decode(kept):
             victim = order.pop()
-            if victim.to_abort is not None:  # it was leaving anyway
-                s.finish(victim, victim.to_abort)
-                s.streamer.stream([victim])
-                continue
             if not order:  # even alone it does not fit
+                kept.remove(victim)
                 s.finish(victim, {
                     "type": "abort", "status_code": 503,
                     "message": "out of KV cache memory even after retracting all other requests",
                 })  # fmt: skip
                 s.streamer.stream([victim])
                 break
-            s.cache.release(victim, insert=False)
+            if victim is chunked:
+                s.prefill.chunked_req = None
+            else:
+                kept.remove(victim)
+            s.cache.release(victim, insert=False)  # at once: see the scheduler's module doc
             s.client.release([victim.rid])
             s.future_of.pop(id(victim), None)
             victim.reset_for_retract()
@@ -123,7 +135,6 @@ class DecodeManager:
         s.running = [r for r in s.running if id(r) not in gone and not r.finished]
         s.waiting[:0] = sorted(retracted, key=lambda r: r.arrival_time)
         s.counters["num_retracted_reqs"] += len(retracted)
-        kept = [r for r in reqs if id(r) not in gone and not r.finished]
         old = self.ratio.value
         self.ratio.after_retract(kept)
         logger.warning(

@@ -36,7 +36,6 @@ class Req:
 
     output_ids: list[int] = field(default_factory=list)
     finished_reason: dict[str, Any] | None = None
-    to_abort: dict[str, Any] | None = None  # set by an abort; honoured at the next result
 
     # KV bookkeeping (see the module docstring)
     row: int | None = None
@@ -52,6 +51,7 @@ class Req:
     num_retractions: int = 0
     epoch: int = 0  # bumped on retraction: in-flight results of an older epoch are dropped
     scheduled_outputs: int = 0  # output tokens scheduled (processed or in flight)
+    in_flight: int = 0  # launched batches holding this request whose result is unprocessed
     cached_tokens: int = 0  # prompt tokens served from the cache, reported to the client
     # streaming
     sent_len: int = 0
@@ -107,15 +107,14 @@ class Req:
 
 
 class StopChecker:
-    """Finish conditions, checked after each appended token (SGLang's order)."""
+    """Finish conditions, checked after each appended token (SGLang's order; an abort
+    finishes the request at once, in Scheduler.abort)."""
 
     def __init__(self, eos_token_ids: set[int], decode_tail):
         self.eos_token_ids = eos_token_ids
         self.decode_tail = decode_tail  # callable(list[int]) -> str, for stop strings
 
     def check(self, req: Req) -> dict[str, Any] | None:
-        if req.to_abort is not None:
-            return req.to_abort
         sp = req.sampling_params
         out = req.output_ids
         last = out[-1]

@@ -5,6 +5,14 @@ process its results. `event_loop_normal` runs each batch to completion before th
 `event_loop_overlap` launches batch N+1 before processing the result of batch N (results one
 step late; finished requests are never streamed twice nor decoded again). Admission lives in
 prefill.py, decode memory and retraction in decode.py, streaming in output.py.
+
+Lifetime of a request's KV in the overlap loop: a launched batch reads its requests' rows of
+the request table (on CPU the very table the scheduler writes) until its result is processed.
+So a request that finishes (or is aborted) while a launched batch still holds it
+(`req.in_flight > 0`) keeps its row, slots and tree lock until that batch's result is
+processed (`releasing`); only then is its KV published and freed. Retraction frees at once:
+it needs the memory for the batch being built, no row is handed out again before the
+in-flight batch is processed, and a slot freed now is rewritten only by a later batch.
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ from sglite.scheduler.output import OutputStreamer
 from sglite.scheduler.policy import SchedulePolicy
 from sglite.scheduler.prefill import PrefillManager
 from sglite.scheduler.req import Req, StopChecker
+from sglite.scheduler.watchdog import NullWatchdog
 from sglite.scheduler.worker import Launched, Worker, WorkerClient
 
 logger = logging.getLogger(__name__)
@@ -51,6 +60,7 @@ class Scheduler:
         decode_tail: Callable[[list[int]], str],
         send: Callable[[object], None],
         send_control: Callable[[object], None] | None = None,
+        watchdog: NullWatchdog | None = None,
     ):
         self.args = args
         self.core = core
@@ -71,6 +81,8 @@ class Scheduler:
         self.decode = DecodeManager(self)
         self.future_of: dict[int, int] = {}  # id(req) -> future slot of its in-flight token
         self.pending: tuple[ScheduleBatch, Launched] | None = None  # overlap: launched, unprocessed
+        # finished requests whose KV a launched batch still reads: id -> (req, insert)
+        self.releasing: dict[int, tuple[Req, bool]] = {}
         self.processed_tokens = 0
         self.counters = {
             "num_prefill_batches": 0, "num_decode_batches": 0, "num_chunks": 0,
@@ -79,6 +91,7 @@ class Scheduler:
             "num_generated_tokens_total": 0, "num_rejected_reqs": 0,
         }  # fmt: skip
         self.started_at = time.monotonic()
+        self.watchdog = watchdog or NullWatchdog()
 
     # ---------------------------------------------------------------- loops
     def event_loop_normal(self, recv: Callable[[bool], list]) -> None:
@@ -92,24 +105,35 @@ class Scheduler:
             self.step_overlap()
 
     def step_normal(self) -> bool:
+        self.watchdog.busy("scheduling")
         batch = self.get_next_batch_to_run()
-        if batch is None:
+        if batch is not None:
+            self._finish_batch(batch, self.launch(batch))
+        else:
             self.on_idle()
-            return False
-        self.process_batch_result(batch, self.launch(batch).result())
-        return True
+        self.watchdog.idle()
+        return batch is not None
 
     def step_overlap(self) -> bool:
+        self.watchdog.busy("scheduling")
+        if (
+            self.pending
+            and self.pending[0].is_extend
+            and (self.waiting or self.prefill.chunked_req)
+        ):
+            # Maybe a second prefill in a row: process the first's result before building the
+            # next batch, so its token is not delayed behind another long forward (and the new
+            # batch is built only from requests still alive after that result).
+            self._process_pending()
         batch = self.get_next_batch_to_run()
-        if batch is not None and batch.is_extend and self.pending and self.pending[0].is_extend:
-            self._process_pending()  # a second prefill in a row: don't delay the first's token
         launched = self.launch(batch) if batch is not None else None
         self._process_pending()
-        if batch is None:
+        if batch is not None:
+            self.pending = (batch, launched)
+        else:
             self.on_idle()
-            return False
-        self.pending = (batch, launched)
-        return True
+        self.watchdog.idle()
+        return batch is not None
 
     def run_until_idle(self, max_steps: int = 1_000_000) -> None:
         """Drive the configured loop in-process until nothing is left (tests, benchmarks)."""
@@ -121,7 +145,19 @@ class Scheduler:
         raise RuntimeError(f"scheduler still busy after {max_steps} steps")
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.pending or self.prefill.chunked_req)
+        return bool(
+            self.waiting
+            or self.running
+            or self.pending
+            or self.prefill.chunked_req
+            or self.releasing
+        )
+
+    def frees_in_flight(self) -> bool:
+        """Whether processing the in-flight result will free KV (finishers, releases)."""
+        return bool(self.releasing) or any(
+            r.finishing_in_flight and not r.finished for r in self.running
+        )
 
     # ---------------------------------------------------------------- inputs
     def handle_messages(self, msgs: list) -> None:
@@ -129,7 +165,7 @@ class Scheduler:
             if isinstance(msg, GenerateReq):
                 self.add_request(msg)
             elif isinstance(msg, AbortReq):
-                self.abort(msg.rid, msg.abort_all, msg.message)
+                self.abort(msg.rid, msg.abort_all, msg.message, msg.exact)
             elif isinstance(msg, FlushCacheReq):
                 self.send_control(self.flush_cache())
             elif isinstance(msg, GetStatsReq):
@@ -140,20 +176,21 @@ class Scheduler:
     def add_request(self, msg: GenerateReq) -> Req:
         req = Req(msg.rid, list(msg.input_ids), msg.sampling_params, msg.stream, msg.extra_key)
         req.wait_since_processed = self.processed_tokens
-        need = len(req.input_ids) + req.max_new_tokens
+        prompt_len, cap = len(req.input_ids), self.cache.allocator.capacity()
         error = None
         if not req.input_ids:
             error = "the prompt is empty"
-        elif need > self.context_length:
+        elif prompt_len + req.max_new_tokens > self.context_length:
             error = (
-                f"prompt ({len(req.input_ids)} tokens) + max_new_tokens "
-                f"({req.max_new_tokens}) exceeds the context length {self.context_length}"
+                f"prompt ({prompt_len} tokens) + max_new_tokens ({req.max_new_tokens}) exceeds "
+                f"the context length {self.context_length}"
             )
-        elif need + self.args.page_size > self.cache.allocator.capacity():
+        elif req.max_new_tokens > self.core.PrefillBudget.max_new_tokens_limit(
+            cap, self.args.page_size, prompt_len
+        ):  # the admission rule itself: refused here, it would never be admitted
             error = (
-                f"prompt ({len(req.input_ids)} tokens) + max_new_tokens "
-                f"({req.max_new_tokens}) can never fit in the KV cache "
-                f"({self.cache.allocator.capacity()} tokens)"
+                f"prompt ({prompt_len} tokens) + max_new_tokens ({req.max_new_tokens}) can "
+                f"never fit in the KV cache ({cap} tokens, page size {self.args.page_size})"
             )
         if error is not None:
             self.counters["num_rejected_reqs"] += 1
@@ -163,31 +200,62 @@ class Scheduler:
         self.waiting.append(req)
         return req
 
-    def abort(self, rid: str, abort_all: bool = False, message: str = "aborted") -> None:
-        reason = {"type": "abort", "message": message, "status_code": 499}
+    def abort(
+        self, rid: str, abort_all: bool = False, message: str = "aborted", exact: bool = False
+    ) -> None:
+        """Finish the matching requests now (rid prefix, or exactly `rid`, or all); KV that a
+        launched batch still reads is freed once that batch's result is processed."""
 
         def hit(r: Req) -> bool:
-            return abort_all or r.rid.startswith(rid)
+            return abort_all or (r.rid == rid if exact else r.rid.startswith(rid))
 
-        for req in [r for r in self.waiting if hit(r)]:
-            self.waiting.remove(req)
-            self.finish(req, dict(reason))
-            self.streamer.stream([req])
+        victims = [r for r in self.waiting if hit(r)]
+        if victims:
+            self.waiting = [r for r in self.waiting if not hit(r)]
         chunked = self.prefill.chunked_req
         if chunked is not None and hit(chunked):
             self.prefill.chunked_req = None
-            self.finish(chunked, dict(reason))
-            self.streamer.stream([chunked])
-        for req in self.running:
-            if hit(req) and not req.finished:
-                req.to_abort = dict(reason)
+            victims.append(chunked)
+        running = [r for r in self.running if hit(r) and not r.finished]
+        if running:
+            self.running = [r for r in self.running if not hit(r) and not r.finished]
+        victims += running
+        for req in victims:
+            self.finish(req, {"type": "abort", "message": message, "status_code": 499})
+        self.streamer.stream(victims)
 
     # ---------------------------------------------------------------- batches
     def get_next_batch_to_run(self) -> ScheduleBatch | None:
         batch = self.prefill.get_new_batch()
-        if batch is not None:
-            return batch
-        return self.decode.get_batch()
+        if batch is None:
+            batch = self.decode.get_batch()
+        if batch is None and self.waiting and not self._holds_kv():
+            self._refuse_head()
+        return batch
+
+    def _holds_kv(self) -> bool:
+        """Whether anything but the tree's unlocked cache holds KV memory (or soon frees it)."""
+        return bool(
+            self.pending
+            or self.releasing
+            or self.prefill.chunked_req
+            or any(not r.finished for r in self.running)
+        )
+
+    def _refuse_head(self) -> None:
+        """Safety net: the KV cache is idle and still the head of the queue was not admitted.
+        Validation should have refused it; finish it rather than retry it forever."""
+        req = self.waiting.pop(0)
+        cap = self.cache.allocator.capacity()
+        message = (
+            f"prompt ({req.fill_len} tokens) + max_new_tokens ({req.max_new_tokens}) cannot "
+            f"be admitted even into the idle KV cache ({cap} tokens, page size "
+            f"{self.args.page_size})"
+        )
+        logger.error("request %s refused: %s", req.rid, message)
+        self.counters["num_rejected_reqs"] += 1
+        self.finish(req, {"type": "abort", "message": message, "status_code": 400})
+        self.streamer.stream([req])
 
     def launch(self, batch: ScheduleBatch) -> Launched:
         reqs = batch.reqs
@@ -199,6 +267,7 @@ class Scheduler:
         rows, prompt_lens, params, rids = [0] * n, [0] * n, [None] * n, [""] * n
         penalty: list = [None] * n
         for i, (req, samples) in enumerate(zip(reqs, batch.sample_mask)):
+            req.in_flight += 1
             sp = req.sampling_params
             rows[i], prompt_lens[i], params[i], rids[i] = req.row, len(req.input_ids), sp, req.rid
             if sp.frequency_penalty or sp.presence_penalty or sp.repetition_penalty != 1.0:
@@ -224,13 +293,20 @@ class Scheduler:
         self.processed_tokens += batch.num_tokens
         key = "num_decode_batches" if batch.mode.value == "decode" else "num_prefill_batches"
         self.counters[key] += 1
+        self.watchdog.busy(f"forward of {batch.describe()}")  # the normal loop runs it here
         return self.client.launch(fi)
 
     def _process_pending(self) -> None:
         if self.pending is not None:
-            batch, fut = self.pending
+            batch, launched = self.pending
             self.pending = None
-            self.process_batch_result(batch, fut.result())
+            self._finish_batch(batch, launched)
+
+    def _finish_batch(self, batch: ScheduleBatch, launched: Launched) -> None:
+        self.watchdog.busy(f"forward of {batch.describe()}")
+        tokens = launched.result()
+        self.watchdog.busy(f"processing the result of {batch.describe()}")
+        self.process_batch_result(batch, tokens)
 
     # ---------------------------------------------------------------- results
     def process_batch_result(self, batch: ScheduleBatch, tokens: np.ndarray) -> None:
@@ -241,12 +317,17 @@ class Scheduler:
             slots = batch.future_slots.tolist()
             toks = tokens.tolist()
             for i, req in enumerate(batch.reqs):
+                req.in_flight -= 1
                 if req.epoch != batch.epochs[i] or req.finished or not batch.sample_mask[i]:
                     continue
                 if self.future_of.get(id(req)) == slots[i]:
                     del self.future_of[id(req)]
                 touched.append(req)
                 self._append_token(req, toks[i], batch, i)
+            if self.releasing:
+                for req in batch.reqs:
+                    if req.in_flight == 0 and id(req) in self.releasing:
+                        self._release(*self.releasing.pop(id(req)))
         finally:
             alloc.free_group_end()
         self.streamer.stream(touched)
@@ -269,10 +350,17 @@ class Scheduler:
         req.finished_reason = reason
         self.future_of.pop(id(req), None)
         if req.has_kv:
-            self.cache.release(req, insert=reason.get("type") != "abort")
-            self.client.release([req.rid])
+            insert = reason.get("type") != "abort"
+            if req.in_flight:  # a launched batch still reads its row (see the module doc)
+                self.releasing[id(req)] = (req, insert)
+            else:
+                self._release(req, insert)
         key = "num_aborted_reqs" if reason.get("type") == "abort" else "num_finished_reqs"
         self.counters[key] += 1
+
+    def _release(self, req: Req, insert: bool) -> None:
+        self.cache.release(req, insert=insert)
+        self.client.release([req.rid])
 
     def on_idle(self) -> None:
         if self.has_work():

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
+from sglite.core.budget import PrefillBudget
 from sglite.sampling_params import SamplingParams
 
 MAX_N = 128  # parallel samples per prompt
@@ -58,11 +59,17 @@ class InputProcessor:
         self.is_rid_free = is_rid_free
 
     def max_new_tokens_limit(self, prompt_len: int) -> int:
-        """The most new tokens a prompt may ask for: it must fit in the context and (with a
-        page of slack, as the scheduler reserves it) in the whole KV cache."""
+        """The most new tokens a prompt may ask for: it must fit in the context and be
+        admissible into the idle KV cache (the admission rule of the tree core's budget,
+        which the scheduler applies too)."""
         limit = self.context_length - prompt_len
         if self.max_total_tokens is not None:
-            limit = min(limit, self.max_total_tokens - self.page_size - prompt_len)
+            limit = min(
+                limit,
+                PrefillBudget.max_new_tokens_limit(
+                    self.max_total_tokens, self.page_size, prompt_len
+                ),
+            )
         return limit
 
     def tokenize(self, text: Any, param: str) -> list[int]:
