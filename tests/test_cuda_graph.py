@@ -5,7 +5,8 @@ padding and the triton backend's capture/replay metadata hooks, with each "graph
 as an eager run of the captured batch (Triton interpreter); the device future buffer's
 resolution logic (device gather, penalties, mixed batches) on CPU tensors.
 GPU (`gpu` marker, skipped without CUDA): graph replay equals eager for padded and exact
-batch sizes in fp32 and bf16, and the overlap loop gives the normal loop's greedy tokens.
+batch sizes in fp32 and bf16 (logits, and each path's own K/V writes from the same state),
+and both loops with graphs give the greedy tokens of an eager (no-graph) run.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from sglite.config import ServerArgs
 from sglite.messages import GenerateReq
 from sglite.model_executor.cuda_graph_runner import (
     CudaGraphRunner,
+    NoCudaGraphs,
     capture_batch_sizes,
     default_cuda_graph_max_bs,
     padded_batch_size,
@@ -90,10 +92,31 @@ class _EagerGraph:
         self.out.copy_(self.owner._run_model(self.batch))
 
 
+class _GraphWithoutKVWrites(_EagerGraph):
+    """A broken graph: the right logits, but its K/V writes are lost."""
+
+    def replay(self) -> None:
+        bufs = _kv_buffers(self.owner.runner.kv_pool)
+        before = [b.clone() for b in bufs]
+        super().replay()
+        for b, old in zip(bufs, before):
+            b.copy_(old)
+
+
 class EagerGraphRunner(CudaGraphRunner):
+    graph_cls = _EagerGraph
+
     def _capture_one(self, batch):
-        graph = _EagerGraph(self, batch)
+        graph = self.graph_cls(self, batch)
         return graph, graph.out
+
+
+class BrokenGraphRunner(EagerGraphRunner):
+    graph_cls = _GraphWithoutKVWrites
+
+
+def _kv_buffers(pool) -> list[torch.Tensor]:
+    return pool.k_buffer + pool.v_buffer
 
 
 def _eager_forward(runner, batch) -> torch.Tensor:
@@ -121,7 +144,9 @@ def _decode_batch(drv: Driver, seqs, next_ids):
 
 def _compare_graph_and_eager(runner, subsets, atol, check_tokens=True):
     """Prefill ragged prompts, then decode steps over `subsets` (request counts) where each
-    step runs once eagerly and once through the graph runner; returns the replay count."""
+    step runs once eagerly and once through the graph runner, each from the same K/V state
+    (the pool as it was before the step, the step's new slots empty), so that each run's
+    own K/V writes are checked; returns the replay count."""
     rng = random.Random(0)
     vocab = runner.model_config.vocab_size
     prompts = [
@@ -131,16 +156,24 @@ def _compare_graph_and_eager(runner, subsets, atol, check_tokens=True):
     seqs = [drv.new_seq() for _ in prompts]
     next_ids = drv.extend(seqs, prompts).argmax(-1).tolist()
     start = runner.graph_runner.num_replays
-    pool = runner.kv_pool
+    bufs = _kv_buffers(runner.kv_pool)
     for n in subsets:
         batch = _decode_batch(drv, seqs[:n], next_ids[:n])
+        loc = batch.out_cache_loc
+        for b in bufs:  # as in a fresh pool
+            b[loc] = 0
+        before = [b.clone() for b in bufs]
         eager = _eager_forward(runner, batch)
-        kv_eager = [b.clone() for b in pool.k_buffer + pool.v_buffer]
+        kv_eager = [b.clone() for b in bufs]
+        for b, old in zip(bufs, before):  # in place: the graphs hold these addresses
+            b.copy_(old)
         assert runner.graph_runner.can_run(batch)
         graph = runner.forward(batch).clone()
         torch.testing.assert_close(graph, eager, atol=atol, rtol=atol)
-        # The graph wrote the same K/V at the real slots, and its padding rows nothing else.
-        for a, b in zip(kv_eager, pool.k_buffer + pool.v_buffer):
+        for a, b in zip(kv_eager, bufs):
+            assert (a[loc] != 0).flatten(1).any(1).all(), "the eager run left a new slot empty"
+            # The graph wrote the same K/V at the real slots, and its padding rows (slot 0)
+            # nothing else.
             torch.testing.assert_close(b[1:].float(), a[1:].float(), atol=atol, rtol=atol)
         if check_tokens:
             assert graph.argmax(-1).tolist() == eager.argmax(-1).tolist()
@@ -162,6 +195,19 @@ def test_padded_replay_matches_eager_cpu(tiny_runner):
     # Above the largest captured size the runner declines (the forward runs eagerly).
     nine = dataclasses.replace(runner.graph_runner._static_batch(8), seq_lens_cpu=[1] * 9)
     assert not runner.graph_runner.can_run(nine)
+
+
+def test_comparison_catches_a_graph_that_writes_no_kv(tiny_runner):
+    """The check above can fail: a graph with the right logits whose K/V writes are lost
+    (which a comparison after the eager run's writes would not notice)."""
+    from sglite_kernels import interpreted
+
+    if not interpreted():
+        pytest.skip("the CPU triton backend needs Triton's interpreter (off: SGL_TEST_GPU=1)")
+    runner = tiny_runner("qwen3", attention_backend="triton")
+    runner.graph_runner = BrokenGraphRunner(runner, 4)
+    with pytest.raises(AssertionError, match="not close"):
+        _compare_graph_and_eager(runner, [3], atol=1e-5)
 
 
 # ---------------------------------------------------------------- device future buffer
@@ -258,16 +304,18 @@ def test_graph_replay_matches_eager_cuda(tiny_runner, dtype, page_size, atol):
 
 @pytest.mark.gpu
 @needs_cuda
-def test_overlap_loop_matches_normal_loop_cuda(tiny_runner):
-    """On CUDA the overlap loop (forward stream, device future buffer, pinned copies) gives
-    the normal loop's greedy tokens; decode runs through the graphs."""
+def test_both_loops_with_graphs_match_eager_cuda(tiny_runner):
+    """On CUDA the normal and the overlap loop (forward stream, device future buffer, pinned
+    copies), decoding through the graphs, give the greedy tokens of an eager run
+    (--disable-cuda-graph, normal loop): graph against eager, not graph against graph."""
     kw = dict(device="cuda", dtype="float32", attention_backend="triton", cuda_graph_max_bs=16)
-    results = {}
+    eager_runner = tiny_runner("qwen3", disable_cuda_graph=True, **kw)
+    assert isinstance(eager_runner.graph_runner, NoCudaGraphs)
+    reqs = _workload(eager_runner.model_config.vocab_size, n=20)
+    expected, _ = _run_scheduler(eager_runner, reqs, overlap=False)
     for overlap in (False, True):
         runner = tiny_runner("qwen3", **kw)
-        reqs = _workload(runner.model_config.vocab_size, n=20)
         got, sched = _run_scheduler(runner, reqs, overlap=overlap)
         assert isinstance(sched.client.futures, DeviceFutureMap)
         assert runner.graph_runner.num_replays > 0
-        results[overlap] = got
-    assert results[True] == results[False]
+        assert got == expected, f"overlap={overlap}"

@@ -18,7 +18,7 @@ from sglite.detokenizer import (
     stop_prefix_len,
 )
 from sglite.ipc import IpcNames, Receiver, Sender
-from sglite.messages import BatchTextOutput, BatchTokenOutput, FlushCacheResp
+from sglite.messages import AbortReq, BatchTextOutput, BatchTokenOutput, FlushCacheResp
 
 TEXTS = [
     "Hello world! How are you today?",
@@ -225,6 +225,69 @@ def test_manager_tracks_requests_independently(tokenizer, decode):
     assert mgr.states == {}
 
 
+BAD_ID = 10**6  # not in the tiny vocabulary
+
+
+def _failing_decode(decode):
+    """`decode`, except that it raises on BAD_ID (as a tokenizer may on an unknown id)."""
+
+    def fn(ids, skip):
+        if BAD_ID in ids:
+            raise ValueError(f"unknown token id {BAD_ID}")
+        return decode(ids, skip)
+
+    return fn
+
+
+def test_manager_aborts_exactly_the_request_it_cannot_decode(tokenizer, decode):
+    """The client of the failed request gets an abort finish, the scheduler gets an exact
+    AbortReq for that rid only; the others (one whose rid extends it) are untouched."""
+    ids = tokenizer.encode(TEXTS[0])
+    mgr = DetokenizerManager(_failing_decode(decode))
+    rids = ["a", "ab", "b"]
+    texts = dict.fromkeys(rids, "")
+    out = mgr.handle(_batch(rids, [ids[:2]] * 3, [[]] * 3, [None] * 3))
+    for rid, t in zip(out.rids, out.texts):
+        texts[rid] += t
+    assert mgr.take_aborts() == []
+
+    out = mgr.handle(_batch(rids, [[BAD_ID], ids[2:4], ids[2:4]], [[]] * 3, [None] * 3))
+    assert out.rids == rids
+    reason = out.finished_reasons[0]
+    assert reason["type"] == "abort" and reason["status_code"] == 500
+    assert "detokenization failed" in reason["message"] and str(BAD_ID) in reason["message"]
+    assert out.texts[0] == "" and out.finished_reasons[1:] == [None, None]
+    assert mgr.take_aborts() == [AbortReq(rid="a", message=reason["message"], exact=True)]
+    assert mgr.take_aborts() == []  # handed over once
+    texts["ab"] += out.texts[1]
+    texts["b"] += out.texts[2]
+
+    # Until the scheduler's finish for "a" arrives, its outputs are dropped (no second
+    # abort, no second finish for the client); the others run to completion.
+    length = {"type": "length", "length": len(ids)}
+    out = mgr.handle(_batch(rids, [[BAD_ID], ids[4:], ids[4:]], [[]] * 3, [None, length, None]))
+    assert out.rids == ["ab", "b"] and out.finished_reasons == [length, None]
+    texts["ab"] += out.texts[0]
+    texts["b"] += out.texts[1]
+    abort = {"type": "abort", "message": "detokenization failed", "status_code": 499}
+    out = mgr.handle(_batch(["a", "b"], [[], []], [[], []], [abort, length]))
+    assert out.rids == ["b"] and out.finished_reasons == [length]
+    texts["b"] += out.texts[0]
+    assert mgr.take_aborts() == []
+    assert texts["ab"] == texts["b"] == TEXTS[0]
+    assert mgr.states == {} and mgr.failed == set()
+
+
+def test_manager_failure_on_the_last_output_sends_no_abort(tokenizer, decode):
+    """The scheduler already finished the request: the client gets its finish, nothing is
+    sent to the scheduler."""
+    mgr = DetokenizerManager(_failing_decode(decode))
+    length = {"type": "length", "length": 1}
+    out = mgr.handle(_batch(["a"], [[BAD_ID]], [[]], [length]))
+    assert out.finished_reasons == [length] and out.texts == [""]
+    assert mgr.take_aborts() == [] and mgr.states == {} and mgr.failed == set()
+
+
 def test_detokenizer_process_over_zmq(tokenizer, tmp_path):
     from sglite.config import ServerArgs
 
@@ -260,6 +323,14 @@ def test_detokenizer_process_over_zmq(tokenizer, tmp_path):
             if msg.finished_reasons[0] is not None:
                 break
         assert text == TEXTS[3]
+        # An id the tokenizer rejects: the abort for the scheduler goes out before the
+        # client's finish (so the rid cannot be reused in between).
+        sender.send(_batch(["x", "xy"], [[-1], ids[:2]], [[], []], [None, None]))
+        abort = inbox.recv(timeout_ms=10_000)
+        assert isinstance(abort, AbortReq) and (abort.rid, abort.exact) == ("x", True)
+        msg = inbox.recv(timeout_ms=10_000)
+        assert isinstance(msg, BatchTextOutput) and msg.rids == ["x", "xy"]
+        assert msg.finished_reasons[0]["status_code"] == 500 and msg.finished_reasons[1] is None
         sender.send(FlushCacheResp(True))
         assert isinstance(inbox.recv(timeout_ms=10_000), FlushCacheResp)  # forwarded as is
     finally:

@@ -48,6 +48,14 @@ def tiny(tiny_model_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def tiny_one_slot(tiny_model_dir, tmp_path_factory):
+    """One running request at a time: a second one waits until the first has left."""
+    srv = _server(tiny_model_dir("llama"), tmp_path_factory, "--max-running-requests", "1")
+    yield srv
+    assert srv.stop() == 0, srv.log()
+
+
+@pytest.fixture(scope="module")
 def smol(smollm2_dir, tmp_path_factory):
     srv = _server(smollm2_dir, tmp_path_factory)
     yield srv
@@ -80,17 +88,32 @@ def generate(srv, text: str, **sp) -> dict:
 
 
 def stream_generate(srv, text: str, **sp) -> list[dict]:
-    chunks = []
     with httpx.stream(
         "POST",
         srv.url + "/generate",
         timeout=120,
         json={"text": text, "sampling_params": sp, "stream": True},
     ) as r:
-        lines = [line for line in r.iter_lines() if line]
-    assert lines[-1] == "data: [DONE]"
-    for line in lines[:-1]:
-        chunks.append(json.loads(line.removeprefix("data: ")))
+        return parse_sse(r.iter_lines())
+
+
+def parse_sse(lines) -> list[dict]:
+    """The data chunks of a finished /generate stream, checked to be well formed: each one
+    extends the previous one's cumulative output, only the last one has a finish reason."""
+    lines = [line for line in lines if line]
+    assert lines and lines[-1] == "data: [DONE]", lines[-3:]
+    assert all(line.startswith("data: {") for line in lines[:-1]), lines
+    chunks = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+    assert chunks and all("error" not in c for c in chunks), chunks
+    prev = {"text": "", "output_ids": []}
+    for c in chunks:
+        assert c["text"].startswith(prev["text"]), (prev, c)
+        assert c["output_ids"][: len(prev["output_ids"])] == prev["output_ids"], (prev, c)
+        assert c["meta_info"]["completion_tokens"] == len(c["output_ids"])
+        assert c["meta_info"]["id"] == chunks[0]["meta_info"]["id"]
+        prev = c
+    assert [c["meta_info"]["finish_reason"] for c in chunks[:-1]] == [None] * (len(chunks) - 1)
+    assert chunks[-1]["meta_info"]["finish_reason"] is not None
     return chunks
 
 
@@ -121,12 +144,13 @@ def test_generate_greedy_matches_transformers(tiny, tiny_model_dir, tokenizer):
 
 
 def test_generate_stream_matches_non_stream(tiny):
+    """Content, not chunking: a loaded server may send all tokens in one chunk."""
     full = generate(tiny, PROMPTS[1], max_new_tokens=10, **GREEDY)
     chunks = stream_generate(tiny, PROMPTS[1], max_new_tokens=10, **GREEDY)
-    assert len(chunks) >= 2
     assert chunks[-1]["text"] == full["text"]
     assert chunks[-1]["output_ids"] == full["output_ids"]
-    assert [c["meta_info"]["finish_reason"] for c in chunks[:-1]] == [None] * (len(chunks) - 1)
+    assert chunks[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": 10}
+    assert chunks[-1]["meta_info"]["prompt_tokens"] == full["meta_info"]["prompt_tokens"]
 
 
 def test_openai_completions(tiny):
@@ -201,6 +225,39 @@ def test_disconnect_mid_stream_frees_kv(tiny):
             break
         time.sleep(0.1)
     assert stats["num_running_reqs"] == 0 and stats["kv_used_tokens"] == 0, stats
+
+
+def test_disconnect_aborts_only_its_own_request(tiny_one_slot):
+    """A client that goes away aborts its request by exact id (SGLang's /abort_request
+    matches a prefix): "ab" runs to the end after "a" disconnects. With one running slot
+    "ab" is still queued behind "a" when a's abort reaches the scheduler, so an abort by
+    prefix would always hit it."""
+    srv = tiny_one_slot
+    ref = generate(srv, PROMPTS[2], max_new_tokens=8, **GREEDY)
+
+    def body(rid: str, n: int) -> dict:
+        sp = {"max_new_tokens": n, **GREEDY}
+        return {"rid": rid, "text": PROMPTS[2], "stream": True, "sampling_params": sp}
+
+    with (
+        httpx.Client(base_url=srv.url, timeout=120) as ca,
+        httpx.Client(base_url=srv.url, timeout=120) as cab,
+    ):
+        with ca.stream("POST", "/generate", json=body("a", 480)) as ra:
+            a_lines = ra.iter_lines()  # kept: closing the iterator would close the connection
+            first = json.loads(next(x for x in a_lines if x.startswith("data: {"))[6:])
+            assert first["meta_info"]["finish_reason"] is None  # "a" is running
+            # Its headers are back, so "ab" was sent to the scheduler ahead of a's abort.
+            rab = cab.send(cab.build_request("POST", "/generate", json=body("ab", 8)), stream=True)
+        # Leaving the block closed a's connection mid-stream: the server aborts "a".
+        try:
+            chunks = parse_sse(rab.iter_lines())
+        finally:
+            rab.close()
+    last = chunks[-1]
+    assert last["meta_info"]["id"] == "ab"
+    assert last["meta_info"]["finish_reason"] == {"type": "length", "length": 8}
+    assert last["output_ids"] == ref["output_ids"] and last["text"] == ref["text"]
 
 
 @pytest.mark.parametrize(

@@ -90,6 +90,12 @@ class ServerArgs:
     )
     stream_interval: int = _f(1, "Stream every N tokens.")
     random_seed: int = _f(0, "Seed of the sampler for requests without their own seed.")
+    watchdog_timeout: float = _f(
+        300.0,
+        "Seconds one forward or scheduling step may take; then the scheduler logs what it "
+        "was doing and the stacks of its threads, and the server shuts down. /health reports "
+        "unhealthy (503) once a step has run min(this, 20) seconds.",
+    )
     debug_invariants: bool = _f(
         False, "Check KV-pool conservation whenever the scheduler is idle (slow; for debugging)."
     )
@@ -134,6 +140,8 @@ class ServerArgs:
             bad("max_queued_requests", f"must be >= 1, got {self.max_queued_requests}")
         if self.stream_interval < 1:
             bad("stream_interval", f"must be >= 1, got {self.stream_interval}")
+        if not self.watchdog_timeout > 0:  # NaN too
+            bad("watchdog_timeout", f"must be > 0 seconds, got {self.watchdog_timeout}")
         for name in (
             "dtype",
             "schedule_policy",

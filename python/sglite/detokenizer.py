@@ -22,7 +22,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from sglite.messages import BatchTextOutput, BatchTokenOutput, ReadyMsg
+from sglite.messages import AbortReq, BatchTextOutput, BatchTokenOutput, ReadyMsg
 
 logger = logging.getLogger(__name__)
 
@@ -116,48 +116,71 @@ class IncrementalDecoder:
 
 
 class DetokenizerManager:
-    """Keeps one IncrementalDecoder per live request; BatchTokenOutput -> BatchTextOutput."""
+    """Keeps one IncrementalDecoder per live request; BatchTokenOutput -> BatchTextOutput.
+
+    A request whose text cannot be decoded is finished for the client (an abort with status
+    500) and an exact AbortReq for it is queued: `take_aborts()` hands them to the process
+    loop, which must send them before the text output, so that the rid is still taken when
+    the scheduler learns of the abort. Until the scheduler's own finish for it arrives, the
+    request's further outputs are dropped.
+    """
 
     def __init__(self, decode: DecodeFn):
         self._decode = decode
         self.states: dict[str, IncrementalDecoder] = {}
+        self.failed: set[str] = set()  # told the client, waiting for the scheduler's finish
+        self._aborts: list[AbortReq] = []
+
+    def take_aborts(self) -> list[AbortReq]:
+        """The aborts queued since the last call, for the scheduler (via the tokenizer)."""
+        aborts, self._aborts = self._aborts, []
+        return aborts
 
     def handle(self, batch: BatchTokenOutput) -> BatchTextOutput:
-        stop_strs = batch.stop_strs
-        texts, reasons = [], list(batch.finished_reasons)
+        out = BatchTextOutput([], [], [], [], [], [], [])
         for i, rid in enumerate(batch.rids):
-            state = self.states.get(rid)
-            if state is None:
-                state = IncrementalDecoder(
-                    self._decode,
-                    batch.context_ids[i],
-                    skip_special_tokens=batch.skip_special_tokens[i],
-                    no_stop_trim=batch.no_stop_trim[i],
-                    stop_strs=stop_strs[i] if stop_strs else (),
-                )
-                self.states[rid] = state
-            try:
-                texts.append(state.step(batch.output_ids[i], reasons[i]))
-            except Exception as e:  # a bad id must not take the detokenizer down
-                logger.exception("could not detokenize request %s", rid)
-                texts.append("")
-                if reasons[i] is None:  # the scheduler keeps running it; the client is told
-                    reasons[i] = {
-                        "type": "abort",
-                        "status_code": 500,
-                        "message": f"detokenization failed: {e}",
-                    }
-            if reasons[i] is not None:
-                self.states.pop(rid, None)
-        return BatchTextOutput(
-            rids=list(batch.rids),
-            texts=texts,
-            output_ids=[list(x) for x in batch.output_ids],
-            finished_reasons=reasons,
-            prompt_tokens=list(batch.prompt_tokens),
-            completion_tokens=list(batch.completion_tokens),
-            cached_tokens=list(batch.cached_tokens),
-        )
+            reason = batch.finished_reasons[i]
+            if rid in self.failed:  # the client already has its (abort) finish
+                if reason is not None:
+                    self.failed.discard(rid)
+                continue
+            text, reason = self._step(batch, i, reason)
+            out.rids.append(rid)
+            out.texts.append(text)
+            out.output_ids.append(list(batch.output_ids[i]))
+            out.finished_reasons.append(reason)
+            out.prompt_tokens.append(batch.prompt_tokens[i])
+            out.completion_tokens.append(batch.completion_tokens[i])
+            out.cached_tokens.append(batch.cached_tokens[i])
+        return out
+
+    def _step(
+        self, batch: BatchTokenOutput, i: int, reason: dict[str, Any] | None
+    ) -> tuple[str, dict[str, Any] | None]:
+        """Request i's text delta and the finish reason the client gets."""
+        rid = batch.rids[i]
+        state = self.states.get(rid)
+        if state is None:
+            state = self.states[rid] = IncrementalDecoder(
+                self._decode,
+                batch.context_ids[i],
+                skip_special_tokens=batch.skip_special_tokens[i],
+                no_stop_trim=batch.no_stop_trim[i],
+                stop_strs=batch.stop_strs[i] if batch.stop_strs else (),
+            )
+        try:
+            text = state.step(batch.output_ids[i], reason)
+        except Exception as e:  # a bad id must not take the detokenizer down
+            logger.exception("could not detokenize request %s", rid)
+            text = ""
+            if reason is None:  # the scheduler is still running it: stop it too
+                message = f"detokenization failed: {e}"
+                reason = {"type": "abort", "status_code": 500, "message": message}
+                self._aborts.append(AbortReq(rid=rid, message=message, exact=True))
+                self.failed.add(rid)
+        if reason is not None:
+            del self.states[rid]
+        return text, reason
 
 
 def make_decode_fn(tokenizer: Any) -> DecodeFn:
@@ -194,6 +217,8 @@ def run_detokenizer_process(server_args: Any, ipc: Any, ready_conn: Any) -> None
         msg = receiver.recv()
         if isinstance(msg, BatchTokenOutput):
             out = manager.handle(msg)
+            for abort in manager.take_aborts():
+                sender.send(abort)
         else:  # control replies routed through us are forwarded unchanged
             out = msg
         sender.send(out)

@@ -26,6 +26,7 @@ from sglite.launcher import (
     DETOKENIZER_ENTRY,
     SCHEDULER_ENTRY,
     Entry,
+    death_reason,
     setup_logging,
     start_backend,
 )
@@ -174,6 +175,6 @@ class Engine:
         return outputs if is_batch else outputs[0]
 
     def _on_death(self, name: str, code: int | None) -> None:
-        reason = f"the {name} process died (exit code {code})"
+        reason = death_reason(name, code, self.server_args)
         logger.error("%s; the Engine cannot generate any more", reason)
         self._loop.call_soon_threadsafe(self.tm.fail_all, reason)

@@ -4,7 +4,9 @@ watches them, and tears everything down (children, IPC files) however the server
 `start_backend()` is shared by the HTTP server (`launch_server`) and the offline Engine.
 Children are spawned (never forked), ignore Ctrl-C (the parent shuts them down) and die
 with their parent. A child that exits while serving takes the server down with a log line
-naming it, instead of leaving a port that accepts requests nobody answers.
+naming it, instead of leaving a port that accepts requests nobody answers. A scheduler
+stopped by its watchdog (scheduler/watchdog.py) exits with WATCHDOG_EXIT_CODE, and the line
+says so.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from typing import Any
 
 from sglite.config import ServerArgs
 from sglite.ipc import IpcNames
+from sglite.scheduler.watchdog import WATCHDOG_EXIT_CODE, Heartbeat
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +70,12 @@ def _exit_with_parent(parent_pid: int, ipc: IpcNames) -> None:
 
 
 def _child_main(
-    entry: Entry, server_args: ServerArgs, ipc: IpcNames, ready_conn: Any, parent_pid: int
+    entry: Entry,
+    server_args: ServerArgs,
+    ipc: IpcNames,
+    ready_conn: Any,
+    parent_pid: int,
+    extra: dict[str, Any],
 ) -> None:
     """Entry point of every child process (runs in the child)."""
     # Ctrl-C reaches the whole process group; the parent decides, and stops us with SIGTERM,
@@ -76,11 +84,27 @@ def _child_main(
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     _exit_with_parent(parent_pid, ipc)
     setup_logging(server_args.log_level)
-    _resolve(entry)(server_args, ipc, ready_conn)
+    _resolve(entry)(server_args, ipc, ready_conn, **extra)
+
+
+def death_reason(name: str, code: int | None, server_args: ServerArgs) -> str:
+    """The sentence that says why a child process ended while serving."""
+    if name == "scheduler" and code == WATCHDOG_EXIT_CODE:
+        return (
+            "the scheduler process was stopped by its watchdog: one step ran longer than "
+            f"--watchdog-timeout ({server_args.watchdog_timeout:g} s); the server log shows "
+            "what it was doing and the stacks of its threads"
+        )
+    return f"the {name} process died (exit code {code})"
 
 
 class ProcessGroup:
-    """The scheduler and detokenizer processes of one server."""
+    """The scheduler and detokenizer processes of one server.
+
+    Every entry is called as `entry(server_args, ipc, ready_conn)` in its child; the
+    scheduler entry also gets `heartbeat=self.heartbeat` (shared memory: when its current
+    step started), which the main process reads for /health.
+    """
 
     def __init__(
         self,
@@ -96,17 +120,19 @@ class ProcessGroup:
         self.procs: dict[str, Any] = {}
         self._conns: dict[str, Any] = {}
         self._stopping = threading.Event()
+        self.heartbeat = Heartbeat.shared()
 
     def start(self) -> dict[str, Any]:
         """Spawn both children; block until both report ready. Returns the scheduler info."""
         ctx = mp.get_context("spawn")
         for name, entry in self.entries.items():
             parent_conn, child_conn = ctx.Pipe(duplex=False)
+            extra = {"heartbeat": self.heartbeat} if name == "scheduler" else {}
             proc = ctx.Process(
                 target=_child_main,
                 name=f"sglite-{name}",
                 daemon=True,
-                args=(entry, self.server_args, self.ipc, child_conn, os.getpid()),
+                args=(entry, self.server_args, self.ipc, child_conn, os.getpid(), extra),
             )
             with _main_module_hidden():
                 proc.start()
@@ -161,7 +187,7 @@ class ProcessGroup:
             self.procs[name].join(0.1)
             on_death(name, self.procs[name].exitcode)
 
-        threading.Thread(target=run, name="sglite-watchdog", daemon=True).start()
+        threading.Thread(target=run, name="sglite-child-watch", daemon=True).start()
 
     def shutdown(self) -> None:
         """Stop the children (SIGTERM, then SIGKILL after a grace period). Idempotent."""
@@ -307,7 +333,9 @@ def launch_server(
     exit_code = 0
     try:
         args = backend.server_args
-        tm = TokenizerManager(args, backend.info, backend.tokenizer, backend.ipc)
+        tm = TokenizerManager(
+            args, backend.info, backend.tokenizer, backend.ipc, heartbeat=backend.procs.heartbeat
+        )
         config = uvicorn.Config(
             create_app(tm),
             host=args.host,
@@ -321,7 +349,7 @@ def launch_server(
         def on_death(name: str, code: int | None) -> None:
             nonlocal exit_code
             exit_code = 1
-            reason = f"the {name} process died (exit code {code})"
+            reason = death_reason(name, code, args)
             logger.error("%s; shutting down the server", reason)
             if tm.loop is not None:
                 tm.loop.call_soon_threadsafe(tm.fail_all, reason)

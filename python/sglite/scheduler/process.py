@@ -2,7 +2,8 @@
 
 It connects PULL to `ipc.scheduler_input`, PUSH to `ipc.detokenizer` (token-id outputs) and
 PUSH to `ipc.tokenizer` (control replies). It reports readiness (or the start-up error) once
-over `ready_conn`, and exits when its parent process is gone.
+over `ready_conn`, and exits when its parent process is gone. Its watchdog (watchdog.py)
+publishes each step's start on the launcher's heartbeat and ends the process if a step hangs.
 """
 
 from __future__ import annotations
@@ -14,14 +15,23 @@ from typing import Any
 
 from sglite.config import ServerArgs
 from sglite.messages import ReadyMsg
+from sglite.scheduler.watchdog import Heartbeat, NullWatchdog, Watchdog
 
 logger = logging.getLogger(__name__)
 
 PARENT_CHECK_MS = 1000
 
 
-def scheduler_for_runner(args: ServerArgs, runner, send, send_control=None, decode_tail=None):
-    """A Scheduler driving `runner` (its pools, allocator and model) with `args`."""
+def scheduler_for_runner(
+    args: ServerArgs,
+    runner,
+    send,
+    send_control=None,
+    decode_tail=None,
+    watchdog: NullWatchdog | None = None,
+):
+    """A Scheduler driving `runner` (its pools, allocator and model) with `args`; no watchdog
+    unless one is given (tests and benchmarks drive it in-process)."""
     import sglite.core
     from sglite.scheduler.model_worker import ModelWorker
     from sglite.scheduler.scheduler import Scheduler
@@ -41,10 +51,13 @@ def scheduler_for_runner(args: ServerArgs, runner, send, send_control=None, deco
         decode_tail=decode_tail or (lambda ids: ""),
         send=send,
         send_control=send_control,
+        watchdog=watchdog,
     )
 
 
-def build_scheduler(args: ServerArgs, send, send_control) -> tuple[Any, dict[str, Any]]:
+def build_scheduler(
+    args: ServerArgs, send, send_control, watchdog: NullWatchdog | None = None
+) -> tuple[Any, dict[str, Any]]:
     """Load the model and build a Scheduler over it; returns (scheduler, ready info)."""
     import sglite.core
     from sglite.model_executor.model_runner import ModelRunner
@@ -71,6 +84,7 @@ def build_scheduler(args: ServerArgs, send, send_control) -> tuple[Any, dict[str
         send,
         send_control,
         decode_tail=lambda ids: tokenizer.decode(ids, skip_special_tokens=False),
+        watchdog=watchdog,
     )
     cfg = runner.model_config
     info = {
@@ -88,7 +102,9 @@ def build_scheduler(args: ServerArgs, send, send_control) -> tuple[Any, dict[str
     return sched, info
 
 
-def run_scheduler_process(args: ServerArgs, ipc, ready_conn) -> None:
+def run_scheduler_process(
+    args: ServerArgs, ipc, ready_conn, heartbeat: Heartbeat | None = None
+) -> None:
     import zmq
 
     from sglite.ipc import Receiver, Sender
@@ -101,12 +117,14 @@ def run_scheduler_process(args: ServerArgs, ipc, ready_conn) -> None:
     to_detok = Sender(ctx, ipc.detokenizer)
     to_tok = Sender(ctx, ipc.tokenizer)
     inbox = Receiver(ctx, ipc.scheduler_input)
+    watchdog = Watchdog(args.watchdog_timeout, heartbeat=heartbeat)
     try:
-        sched, info = build_scheduler(args, to_detok.send, to_tok.send)
+        sched, info = build_scheduler(args, to_detok.send, to_tok.send, watchdog)
     except Exception as e:  # reported to the launcher, which prints it and exits
         ready_conn.send(ReadyMsg("scheduler", False, f"{e}\n{traceback.format_exc()}"))
         return
     ready_conn.send(ReadyMsg("scheduler", True, info=info))
+    watchdog.start()
     logger.info(
         "scheduler ready: %d KV tokens, tree core %s, %s loop",
         info["max_total_tokens"], info["tree_core"]["backend"],

@@ -1,7 +1,7 @@
 """The FastAPI app: native routes (/generate, health, info, cache, metrics) and OpenAI routes.
 
 All errors leave as JSON `{"error": {"message", "type", "param", "code"}}`: bad input is a
-400 naming the field (FastAPI's 422 included), an overloaded or dying server a 503. POST
+400 naming the field (FastAPI's 422 included), an overloaded, stuck or dying server a 503. POST
 bodies are parsed as JSON whatever their Content-Type (curl -d sends form encoding).
 """
 
@@ -136,8 +136,9 @@ def create_app(tm: TokenizerManager) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        if tm.dead_reason is not None:
-            raise RequestError(tm.dead_reason, 503)
+        problem = tm.health_problem()
+        if problem is not None:
+            raise RequestError(problem, 503)
         return Response(status_code=200)
 
     @app.get("/health_generate")

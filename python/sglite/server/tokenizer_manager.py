@@ -6,7 +6,10 @@ anything is sent: a bad one raises `RequestError` (HTTP 400 with a message namin
 field); an overloaded or dying server raises it with 503. Each sent request has a
 `ReqState` that the receive loop fills from the detokenizer's BatchTextOutput; callers wait
 on the event shared by the requests they submitted together. A caller that goes away
-(client disconnect, cancelled task) aborts its unfinished requests.
+(client disconnect, cancelled task) aborts its unfinished requests, each by its exact id: a
+prefix abort (SGLang's /abort_request) would also hit every request whose id extends it.
+The detokenizer, which has no socket to the scheduler, asks for aborts through us: an
+AbortReq that arrives on the receive socket is forwarded to the scheduler.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from sglite.messages import (
     GetStatsReq,
     StatsResp,
 )
+from sglite.scheduler.watchdog import Heartbeat, stall_threshold
 from sglite.server.inputs import InputProcessor, Prompt, RequestError
 from sglite.server.metrics import ServerMetrics
 
@@ -86,6 +90,7 @@ class TokenizerManager:
         ipc: IpcNames,
         *,
         max_inflight: int | None = None,
+        heartbeat: Heartbeat | None = None,
     ):
         self.server_args = server_args
         self.model_info = model_info
@@ -108,6 +113,7 @@ class TokenizerManager:
             is_rid_free=lambda r: r not in self.states,
         )
         self.dead_reason: str | None = None  # set when a child process died
+        self.heartbeat = heartbeat or Heartbeat()  # when the scheduler's current step began
         self._waiters: dict[type, deque[asyncio.Future]] = {
             FlushCacheResp: deque(),
             StatsResp: deque(),
@@ -135,6 +141,22 @@ class TokenizerManager:
             self._receiver.close()
             self._ctx.term()
 
+    def health_problem(self) -> str | None:
+        """Why the server is unhealthy (a dead child, a stuck scheduler step), or None.
+
+        An idle scheduler is healthy; a step running longer than
+        `stall_threshold(--watchdog-timeout)` is a stall, whatever the watchdog does later."""
+        if self.dead_reason is not None:
+            return self.dead_reason
+        stalled_s = self.heartbeat.busy_for(time.monotonic())
+        threshold = stall_threshold(self.server_args.watchdog_timeout)
+        if stalled_s >= threshold:
+            return (
+                f"the scheduler has made no progress for {stalled_s:.0f} s (one step has been "
+                f"running longer than {threshold:g} s)"
+            )
+        return None
+
     def fail_all(self, reason: str) -> None:
         """A child process died: finish every waiting request with a 503."""
         self.dead_reason = reason
@@ -155,6 +177,9 @@ class TokenizerManager:
             try:
                 if isinstance(msg, BatchTextOutput):
                     self._on_text(msg)
+                elif isinstance(msg, AbortReq):  # from the detokenizer, for the scheduler
+                    with contextlib.suppress(zmq.Again):
+                        self._send(msg)
                 elif type(msg) in self._waiters:
                     queue = self._waiters[type(msg)]
                     if queue:
@@ -234,7 +259,7 @@ class TokenizerManager:
                 )
         except BaseException:
             for state in states:
-                self._abort_one(state.rid)
+                self._abort_one(state.rid, "the request could not be submitted")
             raise
         return states
 
@@ -312,11 +337,12 @@ class TokenizerManager:
         with contextlib.suppress(zmq.Again):
             self._send(AbortReq(rid=rid, abort_all=abort_all))
 
-    def _abort_one(self, rid: str) -> None:
+    def _abort_one(self, rid: str, message: str = "aborted by the client") -> None:
+        """Abort exactly this request (never the others whose id starts with `rid`)."""
         if rid in self.states:
             self._finish_here(rid, {"type": "abort", "message": "aborted"})
         with contextlib.suppress(zmq.Again):
-            self._send(AbortReq(rid=rid))
+            self._send(AbortReq(rid=rid, message=message, exact=True))
 
     # ------------------------------------------------------------------ control
     async def _control(self, req: Any, reply_type: type) -> Any:
