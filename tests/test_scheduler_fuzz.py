@@ -151,7 +151,7 @@ def run_case(core, seed: int) -> dict:
         bad = Spec("big", [5] * n, {"max_new_tokens": limit(cap, ps, n) + 1}, 0)
         too_big.append(bad)
 
-    step_fn = sched.step_normal if cfg["disable_overlap_schedule"] else sched.step_overlap
+    step_fn = sched.step
     pending = sorted(specs + too_big, key=lambda s: s.arrive)
     by_rid = {spec.rid: spec for spec in specs}
     aborted: dict[str, int] = {}  # rids an abort hit while they were unfinished

@@ -175,9 +175,9 @@ def test_retraction_takes_fewest_decoded_longest_prompt(core, monkeypatch):
     seen = []
     real = DecodeManager._retract
 
-    def spy(self, reqs):
+    def spy(self, reqs, chunked, step):
         before = list(reqs)
-        kept = real(self, reqs)
+        kept = real(self, reqs, chunked, step)
         seen.append((before, kept))
         return kept
 
@@ -216,7 +216,7 @@ def test_abort_in_every_state_leaks_nothing(core, loop):
     h.add("chunky", list(range(1, 300)), max_new_tokens=50)
     h.add("runner", list(range(500, 520)), max_new_tokens=50)
     h.add("waiter", list(range(600, 620)), max_new_tokens=50)
-    step = h.sched.step_normal if LOOPS[loop] else h.sched.step_overlap
+    step = h.sched.step
     step()
     assert h.sched.prefill.chunked_req is not None
     h.sched.abort("chunky")  # mid-chunk

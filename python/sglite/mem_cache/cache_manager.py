@@ -153,6 +153,19 @@ class CacheManager:
         req.cached_len = req.alloc_len = 0
 
     # ---------------------------------------------------------------- checks
+    def kv_stats(self) -> dict[str, float]:
+        cap = self.allocator.capacity()
+        free = self.allocator.available_size()
+        evictable = self.tree.evictable_size() if self.enabled else 0
+        return {
+            "kv_total_tokens": cap,
+            "kv_free_tokens": free,
+            "kv_evictable_tokens": evictable,
+            "kv_used_tokens": cap - free - evictable,
+            "kv_usage": (cap - free - evictable) / max(cap, 1),
+            "num_evicted_tokens": self.num_evicted_tokens,
+        }
+
     def held_tokens(self, running: list[Req]) -> int:
         ps = self.page_size
         held = 0

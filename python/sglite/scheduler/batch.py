@@ -90,6 +90,31 @@ class ScheduleBatch:
         """For logs and the watchdog: `decode batch of 12 requests`."""
         return f"{self.mode.value} batch of {len(self.reqs)} requests"
 
+    def forward_input(self, future_of: dict[int, int]) -> ForwardInput:
+        """What the worker runs (future_slots must be set; `future_of` as in input_ids)."""
+        reqs = self.reqs
+        n = len(reqs)
+        rows, prompt_lens, params, rids = [0] * n, [0] * n, [None] * n, [""] * n
+        penalty: list = [None] * n
+        for i, req in enumerate(reqs):
+            sp = req.sampling_params
+            rows[i], prompt_lens[i], params[i], rids[i] = req.row, len(req.input_ids), sp, req.rid
+            if sp.frequency_penalty or sp.presence_penalty or sp.repetition_penalty != 1.0:
+                penalty[i] = (req.input_ids, list(req.output_ids))
+        return ForwardInput(
+            mode=self.mode,
+            rids=rids,
+            rows=np.asarray(rows, dtype=np.int64),
+            prefix_lens=np.asarray(self.starts, dtype=np.int64),
+            seq_lens=np.asarray(self.ends, dtype=np.int64),
+            prompt_lens=np.asarray(prompt_lens, dtype=np.int64),
+            input_ids=self.input_ids(future_of),
+            out_cache_loc=self.out_cache_loc,
+            sampling_params=params,
+            future_slots=self.future_slots,
+            penalty_tokens=penalty,
+        )
+
     def input_ids(self, future_of: dict[int, int]) -> np.ndarray:
         """Flat input ids; decode rows whose input is in flight get a future reference."""
         parts: list = []

@@ -3,26 +3,26 @@
 When one more token per running request does not fit (after evicting from the tree), and no
 in-flight result is about to free memory (then the step is skipped instead), the requests
 with the fewest decoded tokens (ties: longest prompt) are retracted until it does: their KV
-is freed without being inserted, and they go back to the front of the waiting queue to be
-prefilled again (prompt + what they generated). The request being chunked is a candidate
-too (it holds KV and decodes nothing). A request is aborted (503) only when it does not fit
-even alone, which admission rules out for every request it accepted. new_token_ratio, the share of each
-request's remaining max_new_tokens that admission reserves, starts at 0.7, decays by
-(0.7 - 0.098) / 600 per decode step, and jumps after a retraction.
+is freed without being inserted (`free_kv`, given by the scheduler), and the scheduler puts
+them back at the front of the waiting queue, to be prefilled again (prompt + what they
+generated). The request being chunked is a candidate too (it holds KV and decodes nothing).
+A request that does not fit even alone is reported as out of memory (the scheduler aborts it
+with 503); admission rules that out for every request it accepted. new_token_ratio, the
+share of each request's remaining max_new_tokens that admission reserves, starts at 0.7,
+decays by (0.7 - 0.098) / 600 per decode step, and jumps after a retraction.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import numpy as np
 
+from sglite.mem_cache.cache_manager import CacheManager
 from sglite.scheduler.batch import ScheduleBatch
 from sglite.scheduler.req import Req
-
-if TYPE_CHECKING:
-    from sglite.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -51,37 +51,56 @@ class NewTokenRatio:
         self.value = min(1.0, (decoded + RETRACT_DECODE_STEPS * len(remaining)) / (max_new + 1))
 
 
-class DecodeManager:
-    def __init__(self, sched: Scheduler):
-        self.s = sched
-        self.ratio = NewTokenRatio(sched.args.schedule_conservativeness)
+@dataclass
+class DecodeStep:
+    """What `DecodeManager.get_batch` decided."""
 
-    def decodable(self) -> list[Req]:
+    batch: ScheduleBatch | None
+    retracted: list[Req] = field(default_factory=list)  # KV freed: requeue them
+    out_of_memory: Req | None = None  # does not fit even alone: abort it
+
+
+class DecodeManager:
+    def __init__(
+        self, cache: CacheManager, conservativeness: float, free_kv: Callable[[Req], None]
+    ):
+        self.cache = cache
+        self.ratio = NewTokenRatio(conservativeness)
+        self.free_kv = free_kv  # frees a victim's KV at once, without publishing it
+
+    @staticmethod
+    def decodable(running: list[Req]) -> list[Req]:
         """Running requests that need another token (finishers in flight sit out)."""
         return [
-            r for r in self.s.running
+            r for r in running
             if r.finished_reason is None and r.scheduled_outputs < r.sampling_params.max_new_tokens
         ]  # fmt: skip
 
-    def get_batch(self) -> ScheduleBatch | None:
-        reqs = self.decodable()
+    def get_batch(
+        self, running: list[Req], chunked: Req | None, frees_in_flight: bool
+    ) -> DecodeStep:
+        """One more token for every decodable request; `frees_in_flight`: the pending result
+        will free KV (then a step that does not fit is skipped rather than retracting)."""
+        reqs = self.decodable(running)
+        step = DecodeStep(None)
         if not reqs:
-            return None
-        if self.s.cache.can_decode(reqs):
+            return step
+        if self.cache.can_decode(reqs):
             self.ratio.decay_step()
-        elif self.s.frees_in_flight():
-            return None  # the pending result frees memory: wait for it rather than retract
+        elif frees_in_flight:
+            return step
         else:
-            reqs = self._retract(reqs)
+            reqs = self._retract(reqs, chunked, step)
             if not reqs:
-                return None
+                return step
         starts, ends, slots = self._alloc(reqs)
-        return ScheduleBatch(reqs, starts, ends, [True] * len(reqs), out_cache_loc=slots)
+        step.batch = ScheduleBatch(reqs, starts, ends, [True] * len(reqs), out_cache_loc=slots)
+        return step
 
     def mix_into(self, batch: ScheduleBatch, running: list[Req]) -> None:
         """Append decode rows to a prefill batch (--enable-mixed-chunk) when they fit."""
         reqs = [r for r in running if not r.finished and not r.finishing_in_flight]
-        if not reqs or not self.s.cache.can_decode(reqs):
+        if not reqs or not self.cache.can_decode(reqs):
             return
         starts, ends, slots = self._alloc(reqs)
         batch.reqs += reqs
@@ -95,50 +114,35 @@ class DecodeManager:
     def _alloc(self, reqs: list[Req]):
         starts = [r.kv_len for r in reqs]
         ends = [r.kv_len + 1 for r in reqs]
-        slots = self.s.cache.alloc_extend(reqs, starts, ends)
+        slots = self.cache.alloc_extend(reqs, starts, ends)
         if slots is None:
             raise RuntimeError("decode allocation failed after the capacity check passed")
         for r in reqs:
             r.kv_len += 1
         return starts, ends, slots
 
-    def _retract(self, reqs: list[Req]) -> list[Req]:
-        s = self.s
-        chunked = s.prefill.chunked_req
+    def _retract(self, reqs: list[Req], chunked: Req | None, step: DecodeStep) -> list[Req]:
         candidates = reqs + [chunked] if chunked is not None else list(reqs)
         # pop() takes the fewest decoded (ties: longest prompt) first
         order = sorted(
             candidates, key=lambda r: (len(r.output_ids), -len(r.input_ids)), reverse=True
         )
         kept = list(reqs)
-        retracted: list[Req] = []
-        while kept and not s.cache.can_decode(kept):
+        while kept and not self.cache.can_decode(kept):
             victim = order.pop()
-            if not order:  # even alone it does not fit
+            if not order:  # only this request is left
                 kept.remove(victim)
-                s.finish(victim, {
-                    "type": "abort", "status_code": 503,
-                    "message": "out of KV cache memory even after retracting all other requests",
-                })  # fmt: skip
-                s.streamer.stream([victim])
+                step.out_of_memory = victim
                 break
-            if victim is chunked:
-                s.prefill.chunked_req = None
-            else:
+            if victim is not chunked:
                 kept.remove(victim)
-            s.cache.release(victim, insert=False)  # at once: see the scheduler's module doc
-            s.client.release([victim.rid])
-            s.future_of.pop(id(victim), None)
+            self.free_kv(victim)
             victim.reset_for_retract()
-            retracted.append(victim)
-        gone = {id(r) for r in retracted}
-        s.running = [r for r in s.running if id(r) not in gone and not r.finished]
-        s.waiting[:0] = sorted(retracted, key=lambda r: r.arrival_time)
-        s.counters["num_retracted_reqs"] += len(retracted)
+            step.retracted.append(victim)
         old = self.ratio.value
         self.ratio.after_retract(kept)
         logger.warning(
             "KV cache is full: retracted %d requests; new_token_ratio %.3f -> %.3f",
-            len(retracted), old, self.ratio.value,
+            len(step.retracted), old, self.ratio.value,
         )  # fmt: skip
         return kept

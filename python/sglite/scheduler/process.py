@@ -143,10 +143,7 @@ def run_scheduler_process(
                 raise SystemExit(0)
 
     try:
-        if args.disable_overlap_schedule:
-            sched.event_loop_normal(recv)
-        else:
-            sched.event_loop_overlap(recv)
+        sched.event_loop(recv)
     except SystemExit:
         pass
     except Exception:

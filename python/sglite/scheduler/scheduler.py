@@ -1,9 +1,9 @@
 """Scheduler: the loop that picks the next batch, runs it and processes its results.
 
 Each tick: receive messages -> pick the next batch (prefill first, else decode) -> run it ->
-process its results. `event_loop_normal` runs each batch to completion before the next;
-`event_loop_overlap` launches batch N+1 before processing the result of batch N (results one
-step late; finished requests are never streamed twice nor decoded again). Admission lives in
+process its results. `step_normal` runs each batch to completion before the next;
+`step_overlap` launches batch N+1 before processing the result of batch N (results one step
+late; finished requests are never streamed twice nor decoded again). Admission lives in
 prefill.py, decode memory and retraction in decode.py, streaming in output.py.
 
 Lifetime of a request's KV in the overlap loop: a launched batch reads its requests' rows of
@@ -34,7 +34,7 @@ from sglite.messages import (
     GetStatsReq,
     StatsResp,
 )
-from sglite.scheduler.batch import ForwardInput, ScheduleBatch
+from sglite.scheduler.batch import ScheduleBatch
 from sglite.scheduler.decode import DecodeManager
 from sglite.scheduler.output import OutputStreamer
 from sglite.scheduler.policy import SchedulePolicy
@@ -70,6 +70,7 @@ class Scheduler:
         )
         self.policy = SchedulePolicy(args.schedule_policy, self.cache, core, args.random_seed)
         self.client = WorkerClient(worker, overlap=not args.disable_overlap_schedule)
+        self.step = self.step_normal if args.disable_overlap_schedule else self.step_overlap
         self.context_length = context_length
         self.max_running = min(args.max_running_requests or 1 << 30, req_to_token_pool.size)
         self.stop_checker = StopChecker(eos_token_ids, decode_tail)
@@ -77,8 +78,6 @@ class Scheduler:
         self.send_control = send_control or send
         self.waiting: list[Req] = []
         self.running: list[Req] = []
-        self.prefill = PrefillManager(self)
-        self.decode = DecodeManager(self)
         self.future_of: dict[int, int] = {}  # id(req) -> future slot of its in-flight token
         self.pending: tuple[ScheduleBatch, Launched] | None = None  # overlap: launched, unprocessed
         # finished requests whose KV a launched batch still reads: id -> (req, insert)
@@ -92,17 +91,17 @@ class Scheduler:
         }  # fmt: skip
         self.started_at = time.monotonic()
         self.watchdog = watchdog or NullWatchdog()
+        self.decode = DecodeManager(self.cache, args.schedule_conservativeness, self._free_kv)
+        self.prefill = PrefillManager(
+            args, core, self.cache, self.policy, self.decode, self.max_running, self.counters
+        )
 
     # ---------------------------------------------------------------- loops
-    def event_loop_normal(self, recv: Callable[[bool], list]) -> None:
+    def event_loop(self, recv: Callable[[bool], list]) -> None:
+        """Forever: receive (blocking only when idle), then one step of the configured loop."""
         while True:
             self.handle_messages(recv(not self.has_work()))
-            self.step_normal()
-
-    def event_loop_overlap(self, recv: Callable[[bool], list]) -> None:
-        while True:
-            self.handle_messages(recv(not self.has_work()))
-            self.step_overlap()
+            self.step()
 
     def step_normal(self) -> bool:
         self.watchdog.busy("scheduling")
@@ -137,11 +136,10 @@ class Scheduler:
 
     def run_until_idle(self, max_steps: int = 1_000_000) -> None:
         """Drive the configured loop in-process until nothing is left (tests, benchmarks)."""
-        step = self.step_normal if self.args.disable_overlap_schedule else self.step_overlap
         for _ in range(max_steps):
             if not self.has_work():
                 return
-            step()
+            self.step()
         raise RuntimeError(f"scheduler still busy after {max_steps} steps")
 
     def has_work(self) -> bool:
@@ -194,8 +192,7 @@ class Scheduler:
             )
         if error is not None:
             self.counters["num_rejected_reqs"] += 1
-            self.finish(req, {"type": "abort", "message": error, "status_code": 400})
-            self.streamer.stream([req])
+            self._refuse(req, 400, error)
             return req
         self.waiting.append(req)
         return req
@@ -226,12 +223,36 @@ class Scheduler:
 
     # ---------------------------------------------------------------- batches
     def get_next_batch_to_run(self) -> ScheduleBatch | None:
-        batch = self.prefill.get_new_batch()
+        batch = self.prefill.get_new_batch(self.waiting, self.running, self.processed_tokens)
         if batch is None:
-            batch = self.decode.get_batch()
+            batch = self._decode_batch()
         if batch is None and self.waiting and not self._holds_kv():
             self._refuse_head()
         return batch
+
+    def _decode_batch(self) -> ScheduleBatch | None:
+        step = self.decode.get_batch(self.running, self.prefill.chunked_req, self.frees_in_flight())
+        if step.retracted or step.out_of_memory:
+            if self.prefill.chunked_req in step.retracted:
+                self.prefill.chunked_req = None
+            gone = {id(r) for r in step.retracted}
+            self.running = [r for r in self.running if id(r) not in gone]
+            self.waiting[:0] = sorted(step.retracted, key=lambda r: r.arrival_time)
+            self.counters["num_retracted_reqs"] += len(step.retracted)
+        if step.out_of_memory is not None:
+            self.running.remove(step.out_of_memory)
+            self._refuse(
+                step.out_of_memory,
+                503,
+                "the request does not fit in the KV cache even with all others retracted",
+            )
+        return step.batch
+
+    def _free_kv(self, req: Req) -> None:
+        """Retraction frees at once (see the module doc): nothing is published."""
+        self.cache.release(req, insert=False)
+        self.client.release([req.rid])
+        self.future_of.pop(id(req), None)
 
     def _holds_kv(self) -> bool:
         """Whether anything but the tree's unlocked cache holds KV memory (or soon frees it)."""
@@ -254,40 +275,21 @@ class Scheduler:
         )
         logger.error("request %s refused: %s", req.rid, message)
         self.counters["num_rejected_reqs"] += 1
-        self.finish(req, {"type": "abort", "message": message, "status_code": 400})
+        self._refuse(req, 400, message)
+
+    def _refuse(self, req: Req, status_code: int, message: str) -> None:
+        """Finish `req` with an error and tell its client at once."""
+        self.finish(req, {"type": "abort", "message": message, "status_code": status_code})
         self.streamer.stream([req])
 
     def launch(self, batch: ScheduleBatch) -> Launched:
-        reqs = batch.reqs
-        n = len(reqs)
-        slots = self.client.future_slots(n)
-        batch.future_slots = slots
-        input_ids = batch.input_ids(self.future_of)
-        slot_list = slots.tolist()
-        rows, prompt_lens, params, rids = [0] * n, [0] * n, [None] * n, [""] * n
-        penalty: list = [None] * n
-        for i, (req, samples) in enumerate(zip(reqs, batch.sample_mask)):
+        batch.future_slots = self.client.future_slots(len(batch.reqs))
+        fi = batch.forward_input(self.future_of)
+        for req, slot, samples in zip(batch.reqs, batch.future_slots.tolist(), batch.sample_mask):
             req.in_flight += 1
-            sp = req.sampling_params
-            rows[i], prompt_lens[i], params[i], rids[i] = req.row, len(req.input_ids), sp, req.rid
-            if sp.frequency_penalty or sp.presence_penalty or sp.repetition_penalty != 1.0:
-                penalty[i] = (req.input_ids, list(req.output_ids))
             if samples:
-                self.future_of[id(req)] = slot_list[i]
+                self.future_of[id(req)] = slot
                 req.scheduled_outputs += 1
-        fi = ForwardInput(
-            mode=batch.mode,
-            rids=rids,
-            rows=np.asarray(rows, dtype=np.int64),
-            prefix_lens=np.asarray(batch.starts, dtype=np.int64),
-            seq_lens=np.asarray(batch.ends, dtype=np.int64),
-            prompt_lens=np.asarray(prompt_lens, dtype=np.int64),
-            input_ids=input_ids,
-            out_cache_loc=batch.out_cache_loc,
-            sampling_params=params,
-            future_slots=slots,
-            penalty_tokens=penalty,
-        )
         if self.cache.mirrored:
             fi.table_rows = self.cache.table[fi.rows, : int(fi.seq_lens.max())].copy()
         self.processed_tokens += batch.num_tokens
@@ -378,22 +380,14 @@ class Scheduler:
 
     def stats(self) -> dict[str, Any]:
         c = self.counters
-        alloc = self.cache.allocator
-        cap = alloc.capacity()
-        evictable = self.cache.tree.evictable_size() if self.cache.enabled else 0
         prompt = c["num_prompt_tokens_total"]
         return {
             **c,
+            **self.cache.kv_stats(),
             "num_running_reqs": len(self.running),
             "num_waiting_reqs": len(self.waiting) + (self.prefill.chunked_req is not None),
-            "kv_total_tokens": cap,
-            "kv_free_tokens": alloc.available_size(),
-            "kv_evictable_tokens": evictable,
-            "kv_used_tokens": cap - alloc.available_size() - evictable,
-            "kv_usage": (cap - alloc.available_size() - evictable) / max(cap, 1),
             "cache_hit_rate": c["num_cached_tokens_total"] / prompt if prompt else 0.0,
             "waiting_hit_tokens": self.policy.waiting_hit_tokens,
             "new_token_ratio": self.decode.ratio.value,
-            "num_evicted_tokens": self.cache.num_evicted_tokens,
             "uptime_s": time.monotonic() - self.started_at,
         }
