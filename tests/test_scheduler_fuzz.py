@@ -3,7 +3,7 @@ catches bookkeeping bugs (tests/fixtures/chain_worker.py).
 
 Each case draws a configuration (page size 1/4/16, a KV pool from barely-fits to roomy, every
 policy, both loops, mixed chunk, chunk size, conservativeness, max-running, radix cache and
-eviction policy, an eager or a lazy worker) and a workload (shared prefixes, staggered
+eviction policy, the shared or the mirrored request table, an eager or a lazy worker) and a workload (shared prefixes, staggered
 arrivals, EOS, stop ids and stop strings, requests that cannot fit, aborts by exact id or by
 prefix in every request state). It checks that every request ends exactly once with the right
 reason and the outputs of a run of that request alone, that nothing is refused for memory
@@ -16,6 +16,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+import numpy as np
 import pytest
 
 from fixtures.chain_worker import ChainWorker, check_tree, make_lazy, reference_tokens
@@ -137,6 +138,10 @@ def run_case(core, seed: int) -> dict:
     h = Harness(core, total_tokens=total, context_length=CONTEXT, eos=[EOS], rows=rows, **cfg)
     sched = h.sched
     worker = ChainWorker(sched.cache.table, total + ps, vocab)
+    if rng.random() < 0.25:  # the CUDA path: a host mirror whose rows travel with each batch
+        sched.cache.table = np.zeros_like(sched.cache.table)
+        sched.cache.mirrored = True
+        worker.table = None
     sched.client = WorkerClient(worker, overlap=False)
     lazy = rng.random() < 0.6
     if lazy:

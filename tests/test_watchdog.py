@@ -117,17 +117,6 @@ def test_watchdog_timeout_flag():
         Watchdog(0)
 
 
-def test_help_mentions_watchdog_timeout():
-    out = subprocess.run(
-        [sys.executable, "-m", "sglite.launch_server", "--help"],
-        capture_output=True,
-        text=True,
-        env=child_env(),
-        timeout=60,
-    ).stdout
-    assert "--watchdog-timeout" in out
-
-
 def test_death_reason_names_the_watchdog():
     args = ServerArgs(watchdog_timeout=7)
     reason = death_reason("scheduler", WATCHDOG_EXIT_CODE, args)
