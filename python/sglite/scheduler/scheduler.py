@@ -17,6 +17,9 @@ in-flight batch is processed, and a slot freed now is rewritten only by a later 
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -44,6 +47,26 @@ from sglite.scheduler.watchdog import NullWatchdog
 from sglite.scheduler.worker import Launched, Worker, WorkerClient
 
 logger = logging.getLogger(__name__)
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    name = ctypes.util.find_library("c")
+    try:
+        return ctypes.CDLL(name).malloc_trim if name else None
+    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to trim
+        return None
+
+
+def trim_heap() -> None:
+    """Hand the C heap's free pages back to the OS (glibc only; a no-op elsewhere).
+
+    Forwards of varying shapes leave glibc's arenas (one per thread that allocated) holding
+    freed memory; trimming when the scheduler goes idle keeps a long-running server's RSS
+    at its working set instead of its high-water mark."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
 
 
 class Scheduler:
@@ -83,6 +106,7 @@ class Scheduler:
         # finished requests whose KV a launched batch still reads: id -> (req, insert)
         self.releasing: dict[int, tuple[Req, bool]] = {}
         self.processed_tokens = 0
+        self.ran_since_idle = False  # a batch ran since the last on_idle: trim the heap there
         self.counters = {
             "num_prefill_batches": 0, "num_decode_batches": 0, "num_chunks": 0,
             "num_retracted_reqs": 0, "num_finished_reqs": 0, "num_aborted_reqs": 0,
@@ -293,6 +317,7 @@ class Scheduler:
         if self.cache.mirrored:
             fi.table_rows = self.cache.table[fi.rows, : int(fi.seq_lens.max())].copy()
         self.processed_tokens += batch.num_tokens
+        self.ran_since_idle = True
         key = "num_decode_batches" if batch.mode.value == "decode" else "num_prefill_batches"
         self.counters[key] += 1
         self.watchdog.busy(f"forward of {batch.describe()}")  # the normal loop runs it here
@@ -370,6 +395,9 @@ class Scheduler:
         self.decode.ratio.reset()
         if self.args.debug_invariants:
             self.cache.check_idle()
+        if self.ran_since_idle:
+            self.ran_since_idle = False
+            trim_heap()
 
     # ---------------------------------------------------------------- control
     def flush_cache(self) -> FlushCacheResp:
