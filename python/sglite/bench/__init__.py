@@ -1,0 +1,1 @@
+"""Serving benchmark pieces: workloads and records, statistics and the report."""
