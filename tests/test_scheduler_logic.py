@@ -138,6 +138,45 @@ def test_lpm_falls_back_to_fcfs_above_128(core):
     assert h.sched.waiting == queue  # FCFS: the cached one stays last
 
 
+class CountingTree:
+    """Delegates to the real tree; counts match_prefix calls."""
+
+    def __init__(self, tree):
+        self.tree, self.matches = tree, 0
+
+    def match_prefix(self, *a):
+        self.matches += 1
+        return self.tree.match_prefix(*a)
+
+    def __getattr__(self, name):
+        return getattr(self.tree, name)
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "lpm"])
+def test_waiting_queue_is_matched_only_when_needed(core, policy):
+    """A long queue behind a full running batch: FCFS matches only the candidates the budget
+    looks at; a cache-aware policy re-matches only after the tree changed."""
+    h = Harness(core, schedule_policy=policy, max_running_requests=2)
+    tree = h.sched.cache.tree = CountingTree(h.sched.cache.tree)
+    for i in range(100):
+        h.add(f"r{i}", [i + 2] * 40 + [1, 2, 3], max_new_tokens=30)
+    h.sched.step()  # admits r0, r1
+    tree.matches = 0
+    for _ in range(5):  # decode steps: nothing finishes, no row free, the tree unchanged
+        h.sched.step()
+    assert tree.matches == 0
+    h.sched.cache.version += 1  # as after an insert: the next sorting pass may re-match
+    before = tree.matches
+    h.sched.policy.sort(h.sched.waiting, 0)
+    assert tree.matches - before == (0 if policy == "fcfs" else 98)
+    before = tree.matches
+    h.sched.policy.sort(h.sched.waiting, 0)
+    assert tree.matches == before  # nothing changed since: no match at all
+    h.run()
+    res = h.results()
+    assert len(res) == 100 and all(r["n_finish"] == 1 for r in res.values())
+
+
 def test_dfs_weight_groups_shared_branches(core):
     h = Harness(core, schedule_policy="dfs-weight")
     a, b = list(range(300, 340)), list(range(400, 440))
@@ -336,6 +375,37 @@ def test_in_queue_check_sends_one_of_many_sharing_an_uncached_prefix(core):
     assert worker.calls[0].rids == ["a", "other"]
     res = h.results()
     assert res["a"]["cached"] == 0 and res["b"]["cached"] == 60 and res["c"]["cached"] == 60
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "lof", "lpm"])
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("chunk", [-1, 48])
+def test_requests_arriving_together_compute_a_shared_prompt_once(core, policy, overlap, chunk):
+    """16 requests in 4 groups sharing a 100-token system prompt arrive at once (group by
+    group): each system prompt is computed by one request and hit by the 3 others, the best
+    possible, whatever the policy, and while the first one is being chunked."""
+    groups = {g: [1000 * (g + 1) + i for i in range(100)] for g in range(4)}
+    prompts = {f"g{g}q{q}": groups[g] + [q, 7, 7] for g in range(4) for q in range(4)}
+    worker = ScriptWorker({rid: len(p) for rid, p in prompts.items()})
+    h = Harness(
+        core,
+        worker=worker,
+        schedule_policy=policy,
+        chunked_prefill_size=chunk,
+        disable_overlap_schedule=not overlap,
+    )
+    for rid, prompt in prompts.items():
+        h.add(rid, prompt, max_new_tokens=3)
+    h.run()
+    res = h.results()
+    assert all(r["n_finish"] == 1 for r in res.values())
+    cached = sorted(res[f"g{g}q{q}"]["cached"] for g in range(4) for q in range(4))
+    assert cached[:4] == [0] * 4
+    # a follower admitted next to the last slice of the chunked first one may recompute
+    # what is left of that slice (less than the in-queue threshold, 32 tokens)
+    assert cached[4:] == [100] * 12 if chunk == -1 else min(cached[4:]) > 100 - 32
+    if chunk == -1:  # the first batch computes every group's prompt: no group waits for another
+        assert set(worker.calls[0].rids) == {"g0q0", "g1q0", "g2q0", "g3q0"}
 
 
 def test_max_running_requests_gates_admission(core):

@@ -6,7 +6,6 @@ from __future__ import annotations
 import importlib.util
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -14,88 +13,17 @@ import torch
 if importlib.util.find_spec("sglite_kernels") is None:  # source checkout, not pip-installed
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))
 
+from fixtures.attn_world import LAYER, World  # noqa: E402
 from sglite.attention.torch_native import TorchNativeAttnBackend  # noqa: E402
 from sglite.attention.triton_backend import TritonAttnBackend  # noqa: E402
-from sglite.mem_cache.memory_pool import KVPool, ReqToTokenPool  # noqa: E402
 from sglite.model_executor.forward_batch import ForwardBatch  # noqa: E402
 from sglite_kernels import interpreted  # noqa: E402
-
-NUM_KV_HEADS, HEAD_DIM = 2, 32
 
 
 @pytest.fixture(autouse=True)
 def _cpu_cases_need_the_interpreter(request):
     if request.node.get_closest_marker("gpu") is None and not interpreted():
         pytest.skip("CPU triton-backend cases need Triton's interpreter, off under SGL_TEST_GPU=1")
-
-
-LAYER = SimpleNamespace(
-    layer_id=1, num_heads=8, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, scaling=0.17
-)
-
-
-class World:
-    """Pools with a few requests whose prefixes are cached; slots handed out page by page."""
-
-    def __init__(self, page_size: int, prefix_lens: list[int], dtype=torch.float32):
-        gen = torch.Generator().manual_seed(page_size)
-        self.gen, self.dtype, self.page_size = gen, dtype, page_size
-        self.kv_pool = KVPool(512, page_size, 2, NUM_KV_HEADS, HEAD_DIM, dtype, "cpu")
-        for buf in self.kv_pool.k_buffer + self.kv_pool.v_buffer:
-            buf.copy_(torch.randn(buf.shape, generator=gen))
-        self.table = ReqToTokenPool(8, 256, "cpu")
-        self.rows = self.table.alloc(len(prefix_lens))[::-1]  # rows not in batch order
-        num_pages = 512 // page_size
-        self.free_pages = (torch.randperm(num_pages, generator=gen) + 1).tolist()
-        self.slots = [[] for _ in prefix_lens]
-        for i, n in enumerate(prefix_lens):
-            self.table.write(self.rows[i], 0, self.grow(i, n))
-
-    def grow(self, i: int, n: int) -> list[int]:
-        """n more slots for request i: the rest of its last page, then fresh pages."""
-        new = []
-        for _ in range(n):
-            if len(self.slots[i]) % self.page_size == 0:
-                self.slots[i].append(self.free_pages.pop() * self.page_size)
-            else:
-                self.slots[i].append(self.slots[i][-1] + 1)
-            new.append(self.slots[i][-1])
-        return new
-
-    def extend_batch(self, extend_lens: list[int], mixed: bool = False) -> ForwardBatch:
-        prefix = [len(s) for s in self.slots]
-        loc = []
-        for i, n in enumerate(extend_lens):
-            new = self.grow(i, n)
-            self.table.write(self.rows[i], prefix[i], new)
-            loc += new
-        ids = [[0] * n for n in extend_lens]
-        return ForwardBatch.extend(
-            input_ids=ids, prefix_lens=prefix, req_pool_indices=self.rows, out_cache_loc=loc,
-            req_to_token_pool=self.table, kv_pool=self.kv_pool, mixed=mixed,
-        )  # fmt: skip
-
-    def decode_batch(self) -> ForwardBatch:
-        loc = []
-        for i, row in enumerate(self.rows):
-            new = self.grow(i, 1)
-            self.table.write(row, len(self.slots[i]) - 1, new)
-            loc += new
-        return ForwardBatch.decode(
-            input_ids=[0] * len(self.rows), seq_lens=[len(s) for s in self.slots],
-            req_pool_indices=self.rows, out_cache_loc=loc,
-            req_to_token_pool=self.table, kv_pool=self.kv_pool,
-        )  # fmt: skip
-
-    def qkv(self, num_tokens: int):
-        def rand(*shape):
-            return torch.randn(*shape, generator=self.gen).to(self.dtype)
-
-        return (
-            rand(num_tokens, LAYER.num_heads, HEAD_DIM),
-            rand(num_tokens, NUM_KV_HEADS, HEAD_DIM),
-            rand(num_tokens, NUM_KV_HEADS, HEAD_DIM),
-        )
 
 
 def _run_both(world: World, batch: ForwardBatch):

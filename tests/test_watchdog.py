@@ -201,8 +201,10 @@ def test_scheduler_reports_each_phase_and_ends_idle(overlap):
     calls = rec.calls
     assert calls[0] == "scheduling" and calls[-1] is None
     assert calls.count("scheduling") == calls.count(None)  # every step ends idle
-    assert "forward of extend batch of 2 requests" in calls
-    assert "processing the result of extend batch of 2 requests" in calls
+    assert any(str(c).startswith("forward of extend batch of 2 requests, ") for c in calls)
+    assert any(
+        str(c).startswith("processing the result of extend batch of 2 requests, ") for c in calls
+    )
     assert any(c is not None and c.startswith("forward of decode batch") for c in calls)
 
 
@@ -240,7 +242,7 @@ def test_a_hung_forward_fires_the_watchdog_with_its_activity(overlap):
         worker.unblock.set()
         runner.join(60)
     wd.stop()
-    assert calls == ["forward of extend batch of 1 requests"]
+    assert len(calls) == 1 and calls[0].startswith("forward of extend batch of 1 requests, ")
     assert h.results()["a"]["finish"] is not None  # released, the request completed
 
 

@@ -51,18 +51,24 @@ class ServerArgs:
     max_prefill_tokens: int = _f(16384, "Max new prompt tokens in one prefill batch.")
     chunked_prefill_size: int | None = _f(
         None,
-        "Max prompt tokens per chunk; -1 disables chunking (default 8192 on CUDA, 2048 on CPU).",
+        "Max prompt tokens per chunk; -1 disables chunking (default 8192 on CUDA, 512 on CPU).",
     )
     schedule_policy: str = _f("fcfs", "Waiting-queue order.", choices=SCHEDULE_POLICIES)
     radix_eviction_policy: str = _f(
         "lru", "Prefix-cache eviction order.", choices=EVICTION_POLICIES
     )
     disable_radix_cache: bool = _f(False, "Do not reuse prompt prefixes across requests.")
-    disable_overlap_schedule: bool = _f(
-        False,
-        "Use the normal loop instead of the overlap loop (CPU work of step N+1 during step N).",
+    disable_overlap_schedule: bool | None = _f(
+        None,
+        "Use the normal loop instead of the overlap loop (CPU work of step N+1 during step N). "
+        "Default: overlap on CUDA; the normal loop on CPU, where the scheduler thread would "
+        "take a core from the model's threads (measured 14%% more output tokens/s on 2 cores).",
     )
-    enable_mixed_chunk: bool = _f(False, "Run decode rows inside prefill batches.")
+    enable_mixed_chunk: bool | None = _f(
+        None,
+        "Run decode rows inside prefill batches, so running requests keep decoding while "
+        "prompts prefill (default: on for CPU, off on CUDA).",
+    )
     attention_backend: str | None = _f(
         None,
         "Attention backend (default: triton on CUDA, torch_native on CPU).",
@@ -167,8 +173,14 @@ class ServerArgs:
         """Fill the machine-dependent defaults (called once at start-up)."""
         changes: dict[str, Any] = {"device": device}
         if self.chunked_prefill_size is None:
-            chunk = 8192 if device == "cuda" else 2048
+            # CPU: a 512-token chunk costs ~1.5 s on 2 cores (a mixed step's inter-token gap)
+            # and computes as many tokens per second as longer ones
+            chunk = 8192 if device == "cuda" else 512
             changes["chunked_prefill_size"] = max(chunk // self.page_size, 1) * self.page_size
+        if self.disable_overlap_schedule is None:
+            changes["disable_overlap_schedule"] = device != "cuda"
+        if self.enable_mixed_chunk is None:
+            changes["enable_mixed_chunk"] = device != "cuda"
         if self.attention_backend is None:
             changes["attention_backend"] = "triton" if device == "cuda" else "torch_native"
         return self.replace(**changes)
@@ -184,6 +196,11 @@ class ServerArgs:
             meta = f.metadata
             if f.type in ("bool", bool):
                 parser.add_argument(flag, action="store_true", help=meta["help"])
+                continue
+            if f.type == "bool | None":  # machine-dependent default: --flag / --no-flag
+                parser.add_argument(
+                    flag, action=argparse.BooleanOptionalAction, default=None, help=meta["help"]
+                )
                 continue
             kind = {"int": int, "float": float}.get(str(f.type).split(" |")[0], str)
             parser.add_argument(

@@ -1,16 +1,17 @@
 """torch_native attention: SDPA over K/V gathered from the pool; the CPU path and the reference.
 
-Per forward, `init_forward_metadata` turns the batch's `req_to_token` rows into one padded
-slot matrix `[B, max_seq_len]` and a mask; every layer then does one gather (index_select)
-of K and V and one SDPA call for the whole batch, with no per-request Python loop.
+Per forward, `init_forward_metadata` turns the batch's `req_to_token` rows into slot index
+lists and masks that every layer shares; the cost of a layer is linear in the real tokens
+of the batch (no query row is padded to another request's length).
 
-- Decode: the query heads of one KV group attend together (q viewed as
-  `[B, num_kv_heads, group, D]`), so GQA needs no copy of K/V. Rows shorter than the
-  longest are masked; with equal lengths there is no mask at all.
-- Extend/mixed: queries are padded to `[B, max_extend_len]`; query i of request b sees key j
-  iff `j <= prefix_len_b + i` and `j < seq_len_b` (padded query rows see at least key 0, so
-  no row is fully masked). One request without a cached prefix skips the gather and runs a
-  causal SDPA on this step's K/V.
+- Decode: one SDPA call for the whole batch over one padded slot matrix `[B, max_seq_len]`;
+  the query heads of one KV group attend together (q viewed as `[B, num_kv_heads, group,
+  D]`), so GQA needs no copy of K/V. Rows shorter than the longest are masked; with equal
+  lengths there is no mask at all.
+- Extend/mixed: the requests with one new token (the decode rows of a mixed batch) run
+  together exactly like a decode batch; each request with more new tokens runs its own SDPA
+  call over its own keys: query i sees key j iff `j <= prefix_len + i`. Without a cached
+  prefix that is plain causal attention over this step's K/V (no gather, no mask).
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -30,15 +30,29 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True, eq=False)
-class _Metadata:
-    kv_slots: torch.Tensor | None  # [B * max_seq_len] int64, None: use this step's K/V
+class _Rows:
+    """Requests that attend like a decode batch: one query token each."""
+
+    kv_slots: torch.Tensor  # [B * max_seq_len] int64
     max_seq_len: int
-    mask: torch.Tensor | None  # bool, broadcastable to the SDPA scores; None: no mask
-    causal: bool = False
-    # Extend only: padded query rows -> token index, and real rows of the padded output.
-    q_index: torch.Tensor | None = None
-    max_extend_len: int = 0
-    out_index: torch.Tensor | None = None
+    mask: torch.Tensor | None  # [B, 1, 1, max_seq_len] bool; None: all rows full length
+    tokens: torch.Tensor | None = None  # their token indices in a mixed batch
+
+
+@dataclass(frozen=True, eq=False)
+class _Segment:
+    """One request with several new tokens: tokens `start .. start+length-1` of the step."""
+
+    start: int
+    length: int
+    kv_slots: torch.Tensor | None  # [seq_len] int64; None: this step's K/V are all it sees
+    mask: torch.Tensor | None  # [length, seq_len] bool (key j <= prefix + i)
+
+
+@dataclass(frozen=True, eq=False)
+class _Metadata:
+    rows: _Rows | None
+    segments: tuple[_Segment, ...] = ()
 
 
 class TorchNativeAttnBackend(AttentionBackend):
@@ -48,64 +62,78 @@ class TorchNativeAttnBackend(AttentionBackend):
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         if batch.forward_mode.is_decode():
-            self._meta = self._decode_metadata(batch)
+            rows = self._rows(batch, range(batch.batch_size), batch.seq_lens_cpu)
+            self._meta = _Metadata(rows)
         else:
             self._meta = self._extend_metadata(batch)
 
     # ------------------------------------------------------------------ metadata
-    def _slots(self, batch: ForwardBatch, max_seq_len: int) -> torch.Tensor:
-        table = batch.req_to_token_pool.req_to_token
-        rows = table.index_select(0, batch.req_pool_indices)[:, :max_seq_len]
-        return rows.reshape(-1).to(torch.int64)
+    def _table(self, batch: ForwardBatch) -> torch.Tensor:
+        return batch.req_to_token_pool.req_to_token
 
-    def _decode_metadata(self, batch: ForwardBatch) -> _Metadata:
-        max_len = max(batch.seq_lens_cpu)
+    def _rows(self, batch: ForwardBatch, which, seq_lens: list[int], tokens=None) -> _Rows:
+        device = batch.seq_lens.device
+        max_len = max(seq_lens)
+        if len(which) == batch.batch_size:
+            pool_rows = batch.req_pool_indices
+        else:
+            pool_rows = batch.req_pool_indices[torch.tensor(list(which), device=device)]
+        slots = self._table(batch).index_select(0, pool_rows)[:, :max_len]
         mask = None
-        if min(batch.seq_lens_cpu) != max_len:
-            keys = torch.arange(max_len, device=batch.seq_lens.device)
-            mask = (keys < batch.seq_lens.unsqueeze(1)).view(batch.batch_size, 1, 1, max_len)
-        return _Metadata(self._slots(batch, max_len), max_len, mask)
+        if min(seq_lens) != max_len:
+            lens = torch.tensor(seq_lens, device=device)
+            keys = torch.arange(max_len, device=device)
+            mask = (keys < lens.unsqueeze(1)).view(len(seq_lens), 1, 1, max_len)
+        return _Rows(slots.reshape(-1).to(torch.int64), max_len, mask, tokens)
 
     def _extend_metadata(self, batch: ForwardBatch) -> _Metadata:
-        prefix = batch.extend_prefix_lens_cpu
-        ext = batch.extend_seq_lens_cpu
-        if len(ext) == 1 and prefix[0] == 0:
-            return _Metadata(None, ext[0], None, causal=True)
         device = batch.seq_lens.device
-        bs, max_len, max_ext = batch.batch_size, max(batch.seq_lens_cpu), max(ext)
-        lens = np.asarray(ext, dtype=np.int64)
-        q_index = out_index = None
-        if min(ext) != max_ext:
-            starts = np.cumsum(lens) - lens
-            i = np.arange(max_ext, dtype=np.int64)
-            q_index = torch.from_numpy(
-                (starts[:, None] + np.minimum(i[None, :], lens[:, None] - 1)).ravel()
-            ).to(device)
-            real = (i[None, :] < lens[:, None]).ravel()
-            out_index = torch.from_numpy(np.flatnonzero(real)).to(device)
-        keys = torch.arange(max_len, device=device).view(1, 1, max_len)
-        q_pos = batch.extend_prefix_lens.view(bs, 1, 1) + torch.arange(max_ext, device=device).view(
-            1, max_ext, 1
-        )
-        mask = (keys <= q_pos) & (keys < batch.seq_lens.view(bs, 1, 1))
-        return _Metadata(
-            self._slots(batch, max_len),
-            max_len,
-            mask.unsqueeze(1),
-            q_index=q_index,
-            max_extend_len=max_ext,
-            out_index=out_index,
-        )
+        table = self._table(batch)
+        pool_rows = batch.req_pool_indices.tolist() if device.type == "cpu" else None
+        singles, single_lens, single_tokens, segments = [], [], [], []
+        start = 0
+        for i, (prefix, ext) in enumerate(
+            zip(batch.extend_prefix_lens_cpu, batch.extend_seq_lens_cpu)
+        ):
+            seq = prefix + ext
+            if ext == 1:
+                singles.append(i)
+                single_lens.append(seq)
+                single_tokens.append(start)
+            elif prefix == 0:
+                segments.append(_Segment(start, ext, None, None))
+            else:
+                row = pool_rows[i] if pool_rows is not None else batch.req_pool_indices[i]
+                slots = table[row, :seq].to(torch.int64)
+                keys = torch.arange(seq, device=device)
+                q_pos = torch.arange(prefix, seq, device=device).unsqueeze(1)
+                segments.append(_Segment(start, ext, slots, keys <= q_pos))
+            start += ext
+        rows = None
+        if singles:
+            tokens = torch.tensor(single_tokens, device=device)
+            rows = self._rows(batch, singles, single_lens, tokens)
+        return _Metadata(rows, tuple(segments))
 
     # ------------------------------------------------------------------ forward
-    def _gather_kv(
-        self, layer: RadixAttention, batch: ForwardBatch, meta: _Metadata
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of the batch as `[B, num_kv_heads, max_seq_len, D]` (strided views)."""
-        shape = (batch.batch_size, meta.max_seq_len, layer.num_kv_heads, layer.head_dim)
-        k = batch.kv_pool.k_buffer[layer.layer_id].index_select(0, meta.kv_slots)
-        v = batch.kv_pool.v_buffer[layer.layer_id].index_select(0, meta.kv_slots)
-        return k.view(shape).transpose(1, 2), v.view(shape).transpose(1, 2)
+    def _decode_rows(
+        self, q: torch.Tensor, layer: RadixAttention, batch: ForwardBatch, rows: _Rows
+    ) -> torch.Tensor:
+        """Attention of one query token per row: q `[n, H, D]` -> `[n, H, D]`."""
+        n, num_kv, d = q.shape[0], layer.num_kv_heads, layer.head_dim
+        shape = (n, rows.max_seq_len, num_kv, d)
+        pool = batch.kv_pool
+        keys = pool.k_buffer[layer.layer_id].index_select(0, rows.kv_slots).view(shape)
+        values = pool.v_buffer[layer.layer_id].index_select(0, rows.kv_slots).view(shape)
+        q = q.reshape(n, num_kv, layer.num_heads // num_kv, d)
+        out = F.scaled_dot_product_attention(
+            q,
+            keys.transpose(1, 2).to(q.dtype),
+            values.transpose(1, 2).to(q.dtype),
+            attn_mask=rows.mask,
+            scale=layer.scaling,
+        )
+        return out.view(n, layer.num_heads, d)
 
     def forward_decode(
         self,
@@ -115,15 +143,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         layer: RadixAttention,
         batch: ForwardBatch,
     ) -> torch.Tensor:
-        meta = self._meta
-        keys, values = self._gather_kv(layer, batch, meta)
-        bs, num_kv = batch.batch_size, layer.num_kv_heads
-        group = layer.num_heads // num_kv
-        q = q.view(bs, num_kv, group, layer.head_dim)
-        out = F.scaled_dot_product_attention(
-            q, keys.to(q.dtype), values.to(q.dtype), attn_mask=meta.mask, scale=layer.scaling
-        )
-        return out.view(bs, layer.num_heads, layer.head_dim)
+        return self._decode_rows(q, layer, batch, self._meta.rows)
 
     def forward_extend(
         self,
@@ -135,30 +155,24 @@ class TorchNativeAttnBackend(AttentionBackend):
     ) -> torch.Tensor:
         meta = self._meta
         gqa = layer.num_heads != layer.num_kv_heads
-        if meta.causal:  # one request, nothing cached: this step's K/V are the whole sequence
-            out = F.scaled_dot_product_attention(
-                q.transpose(0, 1),
-                k.transpose(0, 1).to(q.dtype),
-                v.transpose(0, 1).to(q.dtype),
-                is_causal=True,
+        out = torch.empty_like(q)
+        for seg in meta.segments:
+            end = seg.start + seg.length
+            if seg.kv_slots is None:  # nothing cached: this step's K/V are the whole sequence
+                keys, values = k[seg.start : end], v[seg.start : end]
+            else:
+                keys = batch.kv_pool.k_buffer[layer.layer_id].index_select(0, seg.kv_slots)
+                values = batch.kv_pool.v_buffer[layer.layer_id].index_select(0, seg.kv_slots)
+            out[seg.start : end] = F.scaled_dot_product_attention(
+                q[seg.start : end].transpose(0, 1),
+                keys.transpose(0, 1).to(q.dtype),
+                values.transpose(0, 1).to(q.dtype),
+                attn_mask=seg.mask,
+                is_causal=seg.mask is None,
                 scale=layer.scaling,
                 enable_gqa=gqa,
-            )
-            return out.transpose(0, 1)
-        keys, values = self._gather_kv(layer, batch, meta)
-        bs, max_ext = batch.batch_size, meta.max_extend_len
-        if meta.q_index is not None:
-            q = q.index_select(0, meta.q_index)
-        q = q.view(bs, max_ext, layer.num_heads, layer.head_dim).transpose(1, 2)
-        out = F.scaled_dot_product_attention(
-            q,
-            keys.to(q.dtype),
-            values.to(q.dtype),
-            attn_mask=meta.mask,
-            scale=layer.scaling,
-            enable_gqa=gqa,
-        )
-        out = out.transpose(1, 2).reshape(bs * max_ext, layer.num_heads, layer.head_dim)
-        if meta.out_index is not None:
-            out = out.index_select(0, meta.out_index)
+            ).transpose(0, 1)
+        if meta.rows is not None:
+            rows = meta.rows
+            out[rows.tokens] = self._decode_rows(q[rows.tokens], layer, batch, rows)
         return out

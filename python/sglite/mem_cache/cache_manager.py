@@ -2,7 +2,9 @@
 
 Contract (who locks, who frees; see scheduler/req.py for the ownership of a row):
 - `match(req)`: match the request's fill ids, capped at fill_len - 1 so one token is always
-  computed; records match_len/match_node/match_slots on the request, locks nothing.
+  computed; records match_len/match_node/match_slots on the request, locks nothing. The tree
+  changes only through this class (insert, evict, reset), each change bumps `version`, and a
+  request whose match is as recent as the tree is not matched again.
 - Admission locks `req.match_node` (the PrefillAdder does it while charging the candidate);
   `alloc_extend(entries)` then gives each request a row (if it has none), writes the matched
   prefix into the row and allocates the new positions page-continuing, evicting from the tree
@@ -30,6 +32,7 @@ class CacheManager:
         self.page_size = page_size
         self.enabled = enabled
         self.num_evicted_tokens = 0
+        self.version = 0  # bumped by every change of the tree's content or structure
         # The scheduler writes slots into a host table. On CPU it is the pool's own tensor
         # (shared memory); on a device it is a mirror whose rows travel with each batch.
         t = req_to_token_pool.req_to_token
@@ -41,6 +44,9 @@ class CacheManager:
 
     # ---------------------------------------------------------------- matching
     def match(self, req: Req) -> int:
+        if req.match_version == (self.version, req.fill_len):
+            return req.match_len
+        req.match_version = (self.version, req.fill_len)
         if not self.enabled:
             req.match_len, req.match_node, req.match_slots = 0, 0, None
             return 0
@@ -104,6 +110,7 @@ class CacheManager:
         if short > 0 and self.enabled:
             freed = self.tree.evict(short)
             if len(freed):
+                self.version += 1
                 self.num_evicted_tokens += len(freed)
                 self.allocator.free(freed)
 
@@ -124,6 +131,7 @@ class CacheManager:
         key = req.fill_slice(0, aligned)
         row_slots = self.table[req.row, :aligned].astype(np.int64)
         cached_len, node = self.tree.insert(key, row_slots, req.extra_key)
+        self.version += 1
         if cached_len > req.cached_len:
             # we computed [cached_len_before, cached_len) again: the tree keeps its copy
             self.allocator.free(row_slots[req.cached_len : cached_len])
@@ -203,3 +211,4 @@ class CacheManager:
             if len(freed):
                 self.allocator.free(freed)
             self.tree.reset()
+            self.version += 1

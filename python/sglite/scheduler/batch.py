@@ -87,8 +87,8 @@ class ScheduleBatch:
         return sum(e - s for s, e in zip(self.starts, self.ends))
 
     def describe(self) -> str:
-        """For logs and the watchdog: `decode batch of 12 requests`."""
-        return f"{self.mode.value} batch of {len(self.reqs)} requests"
+        """For logs and the watchdog: `decode batch of 12 requests, 12 tokens`."""
+        return f"{self.mode.value} batch of {len(self.reqs)} requests, {self.num_tokens} tokens"
 
     def forward_input(self, future_of: dict[int, int]) -> ForwardInput:
         """What the worker runs (future_slots must be set; `future_of` as in input_ids)."""

@@ -1,11 +1,16 @@
 """SchedulePolicy: the order of the waiting queue (fcfs, lpm, dfs-weight, lof, random, hrrn, spf).
 
-- Every pass matches each waiting request's prefix in the radix tree (cache-aware policies sort
-  by it; cache-agnostic ones still report how many waiting tokens would hit).
+- Cache-aware policies match every waiting request's prefix in the radix tree each pass (a
+  match is reused while the tree has not changed: `CacheManager.version`); cache-agnostic ones
+  match none here: the PrefillAdder matches the candidates it considers.
 - LPM and HRRN fall back to FCFS when more than 128 requests wait: matching costs CPU.
 - In-queue prefix check (cache-aware policies): a request whose cached prefix is short but
   which shares >= 32 tokens with an earlier waiting request is deprioritized for this pass, so
   only one of many requests sharing an uncached prefix goes first; the rest then hit the cache.
+- Within one prefill batch (every policy): a request that would compute >= 32 prompt tokens
+  that an earlier request of the same batch (or the request being chunked) computes stays
+  waiting for this pass (`BatchPrefixGate`); when it is admitted, those tokens are cached. So
+  16 requests arriving together with one uncached system prompt compute it once.
 - The matching pass walks the queue tail first, so the head's prefix is the most recently used:
   with LRU eviction the cache retires queued prefixes in reverse admission order.
 """
@@ -34,7 +39,6 @@ class SchedulePolicy:
         self.core = core
         self.rng = random.Random(seed)
         self.num_passes = 0
-        self.waiting_hit_tokens = 0  # metric: waiting tokens that would hit the cache
 
     def active_policy(self, queue_len: int) -> str:
         if self.policy in ("lpm", "hrrn") and queue_len > FCFS_FALLBACK_QUEUE_LEN:
@@ -42,10 +46,9 @@ class SchedulePolicy:
         return self.policy
 
     def sort(self, queue: list[Req], processed_tokens: int) -> None:
-        """Reorder `queue` in place; every request gets a fresh prefix match."""
+        """Reorder `queue` in place; with a cache-aware policy every request's match is current."""
         self.num_passes += 1
         policy = self.active_policy(len(queue))
-        self.waiting_hit_tokens = sum(self.cache.match(r) for r in reversed(queue))
         if policy == "fcfs":
             return
         if policy == "lof":
@@ -54,6 +57,8 @@ class SchedulePolicy:
         if policy == "random":
             self.rng.shuffle(queue)
             return
+        for r in reversed(queue):
+            self.cache.match(r)
         deprioritized = self._in_queue_check(queue)
         if policy == "lpm":
             queue.sort(key=lambda r: (id(r) in deprioritized, -r.match_len))
@@ -77,6 +82,10 @@ class SchedulePolicy:
                 )
             )
 
+    def waiting_hit_tokens(self, queue: list[Req]) -> int:
+        """Metric: waiting tokens that would hit the cache now."""
+        return sum(self.cache.match(r) for r in reversed(queue))
+
     def _in_queue_check(self, queue: list[Req]) -> set[int]:
         """Ids of requests to push back: they share an uncached prefix with an earlier one."""
         sim = self.core.RadixTree(page_size=1)
@@ -91,3 +100,23 @@ class SchedulePolicy:
             else:
                 sim.insert(ids, np.arange(len(ids)))
         return out
+
+
+class BatchPrefixGate:
+    """Keeps requests that would recompute an uncached prefix out of the batch computing it."""
+
+    def __init__(self, core, enabled: bool):
+        self.sim = core.RadixTree(page_size=1) if enabled else None
+
+    def add(self, req: Req) -> None:
+        """`req` computes its prompt (or the rest of it) in this batch."""
+        if self.sim is not None:
+            ids = req.input_arr
+            self.sim.insert(ids, np.arange(len(ids)))
+
+    def defers(self, req: Req) -> bool:
+        """True if `req` shares >= the threshold uncached tokens with a request added before."""
+        if self.sim is None:
+            return False
+        shared, _ = self.sim.match_prefix(req.input_arr)
+        return len(shared) - req.match_len >= IN_QUEUE_DEPRIORITIZE_THRESHOLD

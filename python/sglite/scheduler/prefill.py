@@ -15,7 +15,7 @@ from sglite.config import ServerArgs
 from sglite.mem_cache.cache_manager import CacheManager
 from sglite.scheduler.batch import ScheduleBatch
 from sglite.scheduler.decode import DecodeManager
-from sglite.scheduler.policy import SchedulePolicy
+from sglite.scheduler.policy import BatchPrefixGate, SchedulePolicy
 from sglite.scheduler.prefill_adder import PrefillAdder
 from sglite.scheduler.req import Req
 
@@ -76,8 +76,10 @@ class PrefillManager:
             args.chunked_prefill_size if args.chunking_enabled else None,
             len(live) if mixed else 0,
         )
+        gate = BatchPrefixGate(self.core, self.cache.enabled)
         if chunked is not None:
             adder.add_chunked(chunked)
+            gate.add(chunked)
         verdict = self.core.AddReqResult.CONTINUE
         for req in waiting:
             if (
@@ -85,10 +87,14 @@ class PrefillManager:
                 or len(adder.entries) - (chunked is not None) >= free_rows
             ):
                 break
+            self.cache.match(req)  # a no-op if the policy matched it and the tree is unchanged
+            if gate.defers(req):
+                continue
             before = len(adder.entries)
             verdict = adder.add_one(req)
             if len(adder.entries) == before:
                 break
+            gate.add(req)
         if not adder.entries:
             return None
         batch = self._build(adder, waiting)

@@ -62,6 +62,7 @@ class PrefillAdder:
 
     def add_one(self, req: Req) -> int:
         """Try to admit a waiting request; returns the core's verdict for the next one."""
+        self.cache.match(req)  # current already (the caller matched it): a no-op
         self.cache.lock(req.match_node)
         admitted, state, granted = self.budget.add_req(
             self.cache.available_and_evictable(),

@@ -40,6 +40,7 @@ def scheduler_for_runner(
         args.tree_core, page_size=args.page_size, eviction_policy=args.radix_eviction_policy
     )
     cfg = runner.model_config
+    args = args.resolved(runner.device.type)  # the device's chunk size, mixed chunk, ...
     return Scheduler(
         args,
         ModelWorker(runner, args.random_seed),

@@ -47,6 +47,7 @@ class Req:
     match_len: int = 0
     match_node: int = 0
     match_slots: Any = None
+    match_version: tuple[int, int] | None = None  # (cache version, fill_len) of that match
     # scheduling
     num_retractions: int = 0
     epoch: int = 0  # bumped on retraction: in-flight results of an older epoch are dropped
@@ -101,6 +102,7 @@ class Req:
         self.cached_len = self.kv_len = self.alloc_len = 0
         self.lock_node = None
         self.match_len, self.match_node, self.match_slots = 0, 0, None
+        self.match_version = None
         self.scheduled_outputs = len(self.output_ids)
         self.num_retractions += 1
         self.epoch += 1

@@ -332,6 +332,8 @@ class Scheduler:
     def _finish_batch(self, batch: ScheduleBatch, launched: Launched) -> None:
         self.watchdog.busy(f"forward of {batch.describe()}")
         tokens = launched.result()
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("ran %s", batch.describe())
         self.watchdog.busy(f"processing the result of {batch.describe()}")
         self.process_batch_result(batch, tokens)
 
@@ -415,7 +417,7 @@ class Scheduler:
             "num_running_reqs": len(self.running),
             "num_waiting_reqs": len(self.waiting) + (self.prefill.chunked_req is not None),
             "cache_hit_rate": c["num_cached_tokens_total"] / prompt if prompt else 0.0,
-            "waiting_hit_tokens": self.policy.waiting_hit_tokens,
+            "waiting_hit_tokens": self.policy.waiting_hit_tokens(self.waiting),
             "new_token_ratio": self.decode.ratio.value,
             "uptime_s": time.monotonic() - self.started_at,
         }

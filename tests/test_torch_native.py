@@ -1,0 +1,85 @@
+"""torch_native attention against the definition, token by token: each query token of request
+i at position p attends, with softmax, to the K/V of positions 0..p of request i read from the
+pool (its cached prefix, then this step's tokens), query head h to KV head h // group.
+
+Batches mix every shape the scheduler builds: requests without a cached prefix, requests
+extending a cached prefix, one-token rows (the decode rows of a mixed batch), equal and
+ragged lengths, page sizes 1 and 16, fp32 and bf16 pools."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from fixtures.attn_world import LAYER, World
+from sglite.attention.torch_native import TorchNativeAttnBackend
+
+
+def _reference(world: World, q: torch.Tensor, batch) -> torch.Tensor:
+    """The definition, one query token at a time, in float64."""
+    group = LAYER.num_heads // LAYER.num_kv_heads
+    k_buf = world.kv_pool.k_buffer[LAYER.layer_id].double()
+    v_buf = world.kv_pool.v_buffer[LAYER.layer_id].double()
+    out = torch.empty(q.shape, dtype=torch.float64)
+    t = 0
+    if batch.forward_mode.is_decode():
+        prefix, ext = [n - 1 for n in batch.seq_lens_cpu], [1] * batch.batch_size
+    else:
+        prefix, ext = batch.extend_prefix_lens_cpu, batch.extend_seq_lens_cpu
+    for i in range(batch.batch_size):
+        slots = world.slots[i]
+        for j in range(ext[i]):
+            pos = prefix[i] + j
+            keys = k_buf[slots[: pos + 1]]  # [pos+1, kv_heads, D]
+            values = v_buf[slots[: pos + 1]]
+            for h in range(LAYER.num_heads):
+                scores = keys[:, h // group] @ q[t, h].double() * LAYER.scaling
+                out[t, h] = torch.softmax(scores, 0) @ values[:, h // group]
+            t += 1
+    return out
+
+
+def _run(world: World, batch) -> tuple[torch.Tensor, torch.Tensor]:
+    q, k, v = world.qkv(batch.num_tokens)
+    backend = TorchNativeAttnBackend(None)
+    backend.init_forward_metadata(batch)
+    backend.save_kv(LAYER, batch, k, v)
+    got = backend.forward(q, k, v, LAYER, batch)
+    assert got.shape == q.shape and got.dtype == q.dtype
+    return got, _reference(world, q, batch)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("seed", range(6))
+def test_extend_mixed_and_decode_match_the_definition(page_size, seed):
+    rng = random.Random(seed)
+    n = rng.randint(1, 5)
+    prefix_lens = [rng.choice([0, 0, 1, 7, 16, 33]) for _ in range(n)]
+    world = World(page_size, prefix_lens)
+    # one-token rows (decode rows of a mixed batch) next to longer extends
+    extend_lens = [rng.choice([1, 1, 2, 5, 17]) for _ in range(n)]
+    mixed = 1 in extend_lens and any(e > 1 for e in extend_lens)
+    got, ref = _run(world, world.extend_batch(extend_lens, mixed=mixed))
+    torch.testing.assert_close(got.double(), ref, atol=1e-5, rtol=1e-5)
+    for _ in range(2):
+        got, ref = _run(world, world.decode_batch())
+        torch.testing.assert_close(got.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_equal_lengths_and_a_lone_prompt():
+    world = World(1, [4, 4])
+    got, ref = _run(world, world.extend_batch([3, 3]))
+    torch.testing.assert_close(got.double(), ref, atol=1e-5, rtol=1e-5)
+    got, ref = _run(world, world.decode_batch())  # equal lengths: no mask
+    torch.testing.assert_close(got.double(), ref, atol=1e-5, rtol=1e-5)
+    world = World(16, [0])
+    got, ref = _run(world, world.extend_batch([40]))  # causal over this step's K/V only
+    torch.testing.assert_close(got.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_bf16_pool():
+    world = World(16, [30, 0, 5], dtype=torch.bfloat16)
+    got, ref = _run(world, world.extend_batch([1, 12, 1], mixed=True))
+    torch.testing.assert_close(got.double(), ref, atol=3e-2, rtol=3e-2)
