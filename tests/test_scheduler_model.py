@@ -62,7 +62,9 @@ def reference(tiny_model_dir):
     return model_dir, reqs, hf_reference(model_dir, reqs)
 
 
-def run_engine(core, model_dir, reqs, *, page_size, policy, overlap, total_tokens=320, conserv=0.1):
+def run_engine(
+    core, model_dir, reqs, *, page_size, policy, overlap, total_tokens=320, conserv=0.1, mixed=False
+):
     from sglite.model_executor.model_runner import ModelRunner
 
     runner = ModelRunner(
@@ -79,6 +81,7 @@ def run_engine(core, model_dir, reqs, *, page_size, policy, overlap, total_token
         schedule_policy=policy,
         chunked_prefill_size=32,
         disable_overlap_schedule=not overlap,
+        enable_mixed_chunk=mixed,
         debug_invariants=True,
         schedule_conservativeness=conserv,
         tree_core=core.name,
@@ -141,3 +144,17 @@ def test_mirrored_request_table_path(core, reference, overlap):
     assert sched.cache.mirrored
     for rid, _, _ in reqs:
         assert got[rid] == expected[rid], f"{rid} differs from transformers"
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
+@pytest.mark.parametrize("policy", ["fcfs", "lpm"])
+def test_mixed_batches_match_transformers(core, reference, policy, overlap, page_size):
+    """Decode rows riding in prefill chunks (the CPU default) change no token."""
+    model_dir, reqs, expected = reference
+    got, sched = run_engine(
+        core, model_dir, reqs, page_size=page_size, policy=policy, overlap=overlap, mixed=True
+    )
+    for rid, _, _ in reqs:
+        assert got[rid] == expected[rid], f"{rid} differs from transformers"
+    assert sched.counters["num_chunks"] > 0, "the workload must chunk"
