@@ -154,17 +154,13 @@ class CountingTree:
 
 @pytest.mark.parametrize("policy", ["fcfs", "lpm"])
 def test_waiting_queue_is_matched_only_when_needed(core, policy):
-    """A long queue behind a full running batch: FCFS matches only the candidates the budget
-    looks at; a cache-aware policy re-matches only after the tree changed."""
+    """A long queue: FCFS sorting matches nothing (the budget matches the candidates it looks
+    at); a cache-aware policy re-matches only after the tree changed."""
     h = Harness(core, schedule_policy=policy, max_running_requests=2)
     tree = h.sched.cache.tree = CountingTree(h.sched.cache.tree)
     for i in range(100):
         h.add(f"r{i}", [i + 2] * 40 + [1, 2, 3], max_new_tokens=30)
     h.sched.step()  # admits r0, r1
-    tree.matches = 0
-    for _ in range(5):  # decode steps: nothing finishes, no row free, the tree unchanged
-        h.sched.step()
-    assert tree.matches == 0
     h.sched.cache.version += 1  # as after an insert: the next sorting pass may re-match
     before = tree.matches
     h.sched.policy.sort(h.sched.waiting, 0)

@@ -17,9 +17,6 @@ in-flight batch is processed, and a slot freed now is rewritten only by a later 
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import functools
 import logging
 import time
 from collections.abc import Callable
@@ -39,6 +36,7 @@ from sglite.messages import (
 )
 from sglite.scheduler.batch import ScheduleBatch
 from sglite.scheduler.decode import DecodeManager
+from sglite.scheduler.heap import trim_heap
 from sglite.scheduler.output import OutputStreamer
 from sglite.scheduler.policy import SchedulePolicy
 from sglite.scheduler.prefill import PrefillManager
@@ -47,26 +45,6 @@ from sglite.scheduler.watchdog import NullWatchdog
 from sglite.scheduler.worker import Launched, Worker, WorkerClient
 
 logger = logging.getLogger(__name__)
-
-
-@functools.cache
-def _malloc_trim() -> Callable[[int], int] | None:
-    name = ctypes.util.find_library("c")
-    try:
-        return ctypes.CDLL(name).malloc_trim if name else None
-    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to trim
-        return None
-
-
-def trim_heap() -> None:
-    """Hand the C heap's free pages back to the OS (glibc only; a no-op elsewhere).
-
-    Forwards of varying shapes leave glibc's arenas (one per thread that allocated) holding
-    freed memory; trimming when the scheduler goes idle keeps a long-running server's RSS
-    at its working set instead of its high-water mark."""
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)
 
 
 class Scheduler:
