@@ -142,7 +142,7 @@ def test_memory_sizing_and_exposed_attributes(tiny_runner):
     assert runner.req_to_token_pool.req_to_token.shape == (6, 128)
     assert runner.model_config.context_length == 128
     assert (runner.tokenizer_path / "tokenizer.json").is_file()
-    assert runner.attention_backend_name == "torch_native"
+    assert runner.attention_backend_name == "cpu"
     with pytest.raises(ValueError, match="unknown attention backend 'flash'"):
         tiny_runner("llama", attention_backend="flash")
 

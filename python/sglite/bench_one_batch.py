@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import sys
 import time
 
 import numpy as np
 import torch
 
+from sglite import env
 from sglite.model_executor.forward_batch import ForwardBatch
 from sglite.model_executor.model_runner import ModelRunner
 from sglite.model_executor.sampler import SamplingBatchInfo
@@ -135,6 +138,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print the result as JSON too")
     args = parser.parse_args(argv)
+    if argv is None and env.apply_openmp_defaults():
+        # OpenMP read its settings when torch loaded: start again with the server's defaults
+        os.execv(sys.executable, [sys.executable, "-m", "sglite.bench_one_batch", *sys.argv[1:]])
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
     need = args.batch_size * (args.input_len + args.output_len + args.page_size)

@@ -12,9 +12,11 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from sglite.attention import BACKENDS, default_backend
+
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random", "hrrn", "shortest-prefill-first")
 EVICTION_POLICIES = ("lru", "lfu", "fifo", "priority")
-ATTENTION_BACKENDS = ("torch_native", "triton")
+ATTENTION_BACKENDS = tuple(BACKENDS)
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -71,7 +73,8 @@ class ServerArgs:
     )
     attention_backend: str | None = _f(
         None,
-        "Attention backend (default: triton on CUDA, torch_native on CPU).",
+        "Attention backend (default: triton on CUDA; on CPU, cpu: torch_native with the native "
+        "decode kernel, or torch_native where the native module is missing).",
         choices=ATTENTION_BACKENDS,
     )
     disable_cuda_graph: bool = _f(False, "Run decode eagerly on CUDA.")
@@ -182,7 +185,7 @@ class ServerArgs:
         if self.enable_mixed_chunk is None:
             changes["enable_mixed_chunk"] = device != "cuda"
         if self.attention_backend is None:
-            changes["attention_backend"] = "triton" if device == "cuda" else "torch_native"
+            changes["attention_backend"] = default_backend(device)
         return self.replace(**changes)
 
     def to_dict(self) -> dict[str, Any]:

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import wait as wait_any
 from typing import Any
 
+from sglite import env
 from sglite.config import ServerArgs
 from sglite.ipc import IpcNames
 from sglite.scheduler.watchdog import WATCHDOG_EXIT_CODE, Heartbeat
@@ -125,6 +126,7 @@ class ProcessGroup:
     def start(self) -> dict[str, Any]:
         """Spawn both children; block until both report ready. Returns the scheduler info."""
         ctx = mp.get_context("spawn")
+        env.apply_openmp_defaults()
         for name, entry in self.entries.items():
             parent_conn, child_conn = ctx.Pipe(duplex=False)
             extra = {"heartbeat": self.heartbeat} if name == "scheduler" else {}

@@ -2,8 +2,12 @@
 
 | name           | class                                              | where            |
 |----------------|----------------------------------------------------|------------------|
+| cpu            | sglite.attention.cpu.CpuAttnBackend                  | CPU (default)    |
 | torch_native   | sglite.attention.torch_native.TorchNativeAttnBackend | CPU and CUDA     |
 | triton         | sglite.attention.triton_backend.TritonAttnBackend    | CUDA (default)   |
+
+`cpu` is torch_native with decode rows computed by the native kernel (rust/attn); where that
+kernel cannot run (no native module), the CPU default is torch_native.
 
 Backends are imported only when chosen, so a missing triton does not break the CPU path.
 """
@@ -18,13 +22,18 @@ if TYPE_CHECKING:
     from sglite.model_executor.model_runner import ModelRunner
 
 BACKENDS = {
+    "cpu": ("sglite.attention.cpu", "CpuAttnBackend"),
     "torch_native": ("sglite.attention.torch_native", "TorchNativeAttnBackend"),
     "triton": ("sglite.attention.triton_backend", "TritonAttnBackend"),
 }
 
 
 def default_backend(device_type: str) -> str:
-    return "triton" if device_type == "cuda" else "torch_native"
+    if device_type == "cuda":
+        return "triton"
+    from sglite.attention.cpu_kernel import unavailable_reason
+
+    return "cpu" if unavailable_reason() is None else "torch_native"
 
 
 def create_attention_backend(name: str, runner: ModelRunner) -> AttentionBackend:

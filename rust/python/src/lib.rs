@@ -1,4 +1,5 @@
-//! `sglite._core`: PyO3 bindings of the Rust tree core (radix tree, page allocator, budget).
+//! `sglite._core`: PyO3 bindings of the Rust tree core (radix tree, page allocator, budget)
+//! and of the CPU decode-attention kernel (`decode_attention`).
 //!
 //! Same classes, methods, results and exceptions as the Python twin in `sglite.core`; bad
 //! arguments raise ValueError, unlock of an unlocked node, free-group misuse and broken
@@ -6,6 +7,7 @@
 //! come back as 1-D int64 arrays; long calls release the GIL.
 
 mod allocator;
+mod attn;
 mod budget;
 mod convert;
 mod tree;
@@ -27,5 +29,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<allocator::PyPageAllocator>()?;
     m.add_class::<budget::PyPrefillBudget>()?;
     m.add_class::<budget::PyAddReqResult>()?;
+    m.add_function(wrap_pyfunction!(attn::decode_attention, m)?)?;
     Ok(())
 }
