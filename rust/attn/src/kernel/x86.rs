@@ -15,7 +15,7 @@ pub(crate) struct Avx2;
 impl Isa for Avx512 {
     #[inline(always)]
     unsafe fn dot<T: Elem>(self, q: &[f32], key: &[T], d: usize) -> f32 {
-        if d % 16 != 0 {
+        if !d.is_multiple_of(16) {
             return dot(q, key, d);
         }
         let (q, key) = (&q[..d], &key[..d]);
@@ -23,7 +23,7 @@ impl Isa for Avx512 {
     }
     #[inline(always)]
     unsafe fn axpy<T: Elem>(self, acc: &mut [f32], a: f32, x: &[T], d: usize) {
-        if d % 16 != 0 {
+        if !d.is_multiple_of(16) {
             return axpy(acc, a, x, d);
         }
         let (acc, x) = (&mut acc[..d], &x[..d]);
@@ -34,7 +34,7 @@ impl Isa for Avx512 {
 impl Isa for Avx2 {
     #[inline(always)]
     unsafe fn dot<T: Elem>(self, q: &[f32], key: &[T], d: usize) -> f32 {
-        if d % 8 != 0 {
+        if !d.is_multiple_of(8) {
             return dot(q, key, d);
         }
         let (q, key) = (&q[..d], &key[..d]);
@@ -42,7 +42,7 @@ impl Isa for Avx2 {
     }
     #[inline(always)]
     unsafe fn axpy<T: Elem>(self, acc: &mut [f32], a: f32, x: &[T], d: usize) {
-        if d % 8 != 0 {
+        if !d.is_multiple_of(8) {
             return axpy(acc, a, x, d);
         }
         let (acc, x) = (&mut acc[..d], &x[..d]);
