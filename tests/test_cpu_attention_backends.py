@@ -89,7 +89,7 @@ def test_equal_lengths_and_a_lone_prompt(backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_bf16_pool(backend):
     world = World(16, [30, 0, 5], dtype=torch.bfloat16)
-    got, ref = _run(world, world.extend_batch([1, 12, 1], mixed=True), backend)
+    got, ref = _run(world, world.extend_batch([1, 12, 3], mixed=True), backend)
     torch.testing.assert_close(got.double(), ref, atol=3e-2, rtol=3e-2)
     for _ in range(2):
         got, ref = _run(world, world.decode_batch(), backend)

@@ -3,8 +3,15 @@
 Decode batches and the decode rows of mixed batches attend through
 `sglite.attention.cpu_kernel` (rust/attn), which reads each row's K/V in place from the
 pool. torch_native gathers them into a padded copy in every layer instead, which on a
-1,000-token context costs several times the decode step's matrix multiplications. Requests
-with several new tokens (prefill, chunks) keep torch_native's SDPA path.
+1,000-token context costs several times the decode step's matrix multiplications.
+
+A request with several new tokens over a cached prefix attends in two mask-free parts
+merged by their log-sum-exp: every new token sees the whole prefix (one flash call, the
+query heads of a KV group stacked along the query axis, so no K/V copy per query head),
+and the new tokens see each other causally. torch_native builds a `[new, prefix + new]` mask
+instead, which the flash kernel reads for every block (measured: 1.95 -> 1.52 ms for 128
+tokens over a 1,024-token prefix, 9 heads). Requests without a prefix keep torch_native's
+causal SDPA.
 """
 
 from __future__ import annotations
@@ -15,7 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from sglite.attention import cpu_kernel
-from sglite.attention.torch_native import TorchNativeAttnBackend
+from sglite.attention.torch_native import TorchNativeAttnBackend, _Segment
 
 if TYPE_CHECKING:
     from sglite.layers.radix_attention import RadixAttention
@@ -61,3 +68,55 @@ class CpuAttnBackend(TorchNativeAttnBackend):
         return cpu_kernel.decode_attention(
             q.to(k.dtype).contiguous(), k, v, table, rows.pool_rows, rows.seq_lens, layer.scaling
         ).to(q.dtype)
+
+    def _segment(self, table: torch.Tensor, row, start: int, prefix: int, ext: int) -> _Segment:
+        """Only the prefix's slots: the new tokens' K/V come from this step's tensors."""
+        return _Segment(start, ext, table[row, :prefix].to(torch.int64), None)
+
+    def _attend_segment(self, q, k, v, layer: RadixAttention, batch: ForwardBatch, seg):
+        if seg.kv_slots is None:
+            return super()._attend_segment(q, k, v, layer, batch, seg)
+        end = seg.start + seg.length
+        pool = batch.kv_pool
+        new_q = q[seg.start : end]
+        n, num_heads, d = new_q.shape
+        num_kv = layer.num_kv_heads
+        group = num_heads // num_kv
+        prefix_k = pool.k_buffer[layer.layer_id].index_select(0, seg.kv_slots).to(q.dtype)
+        prefix_v = pool.v_buffer[layer.layer_id].index_select(0, seg.kv_slots).to(q.dtype)
+        stacked = new_q.view(n, num_kv, group, d).permute(1, 2, 0, 3).reshape(1, num_kv, -1, d)
+        out_prefix, lse_prefix = _flash(
+            stacked,
+            prefix_k.transpose(0, 1).unsqueeze(0),
+            prefix_v.transpose(0, 1).unsqueeze(0),
+            0.0,
+            False,
+            scale=layer.scaling,
+        )
+        new_k, new_v = k[seg.start : end], v[seg.start : end]
+        if group > 1:
+            new_k = new_k.repeat_interleave(group, dim=1)
+            new_v = new_v.repeat_interleave(group, dim=1)
+        out_new, lse_new = _flash(
+            new_q.transpose(0, 1).unsqueeze(0),
+            new_k.transpose(0, 1).unsqueeze(0),
+            new_v.transpose(0, 1).unsqueeze(0),
+            0.0,
+            True,
+            scale=layer.scaling,
+        )
+        lse_prefix, lse_new = lse_prefix.reshape(num_heads, n), lse_new.reshape(num_heads, n)
+        top = torch.maximum(lse_prefix, lse_new)
+        w_prefix = (lse_prefix - top).exp_().unsqueeze(-1)
+        w_new = (lse_new - top).exp_().unsqueeze(-1)
+        merged = out_prefix.reshape(num_heads, n, d).float() * w_prefix
+        merged += out_new.reshape(num_heads, n, d).float() * w_new
+        merged /= w_prefix + w_new
+        return merged.to(q.dtype).transpose(0, 1)
+
+
+def _flash(q, k, v, dropout_p, is_causal, *, scale):
+    """torch's CPU flash attention: `(out, logsumexp)`; causal is top-left aligned."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, dropout_p, is_causal, attn_mask=None, scale=scale
+    )

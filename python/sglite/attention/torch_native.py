@@ -104,16 +104,21 @@ class TorchNativeAttnBackend(AttentionBackend):
                 segments.append(_Segment(start, ext, None, None))
             else:
                 row = pool_rows[i] if pool_rows is not None else batch.req_pool_indices[i]
-                slots = table[row, :seq].to(torch.int64)
-                keys = torch.arange(seq, device=device)
-                q_pos = torch.arange(prefix, seq, device=device).unsqueeze(1)
-                segments.append(_Segment(start, ext, slots, keys <= q_pos))
+                segments.append(self._segment(table, row, start, prefix, ext))
             start += ext
         rows = None
         if singles:
             tokens = torch.tensor(single_tokens, device=device)
             rows = self._rows(batch, singles, single_lens, tokens)
         return _Metadata(rows, tuple(segments))
+
+    def _segment(self, table: torch.Tensor, row, start: int, prefix: int, ext: int) -> _Segment:
+        """A request extending a cached prefix: its whole sequence's slots, and the mask."""
+        seq, device = prefix + ext, table.device
+        slots = table[row, :seq].to(torch.int64)
+        keys = torch.arange(seq, device=device)
+        q_pos = torch.arange(prefix, seq, device=device).unsqueeze(1)
+        return _Segment(start, ext, slots, keys <= q_pos)
 
     # ------------------------------------------------------------------ forward
     def _decode_rows(
@@ -154,25 +159,38 @@ class TorchNativeAttnBackend(AttentionBackend):
         batch: ForwardBatch,
     ) -> torch.Tensor:
         meta = self._meta
-        gqa = layer.num_heads != layer.num_kv_heads
         out = torch.empty_like(q)
         for seg in meta.segments:
-            end = seg.start + seg.length
-            if seg.kv_slots is None:  # nothing cached: this step's K/V are the whole sequence
-                keys, values = k[seg.start : end], v[seg.start : end]
-            else:
-                keys = batch.kv_pool.k_buffer[layer.layer_id].index_select(0, seg.kv_slots)
-                values = batch.kv_pool.v_buffer[layer.layer_id].index_select(0, seg.kv_slots)
-            out[seg.start : end] = F.scaled_dot_product_attention(
-                q[seg.start : end].transpose(0, 1),
-                keys.transpose(0, 1).to(q.dtype),
-                values.transpose(0, 1).to(q.dtype),
-                attn_mask=seg.mask,
-                is_causal=seg.mask is None,
-                scale=layer.scaling,
-                enable_gqa=gqa,
-            ).transpose(0, 1)
+            out[seg.start : seg.start + seg.length] = self._attend_segment(
+                q, k, v, layer, batch, seg
+            )
         if meta.rows is not None:
             rows = meta.rows
             out[rows.tokens] = self._decode_rows(q[rows.tokens], layer, batch, rows)
         return out
+
+    def _attend_segment(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: RadixAttention,
+        batch: ForwardBatch,
+        seg: _Segment,
+    ) -> torch.Tensor:
+        """Attention of one request's new tokens: `[seg.length, H, D]`."""
+        end = seg.start + seg.length
+        if seg.kv_slots is None:  # nothing cached: this step's K/V are the whole sequence
+            keys, values = k[seg.start : end], v[seg.start : end]
+        else:
+            keys = batch.kv_pool.k_buffer[layer.layer_id].index_select(0, seg.kv_slots)
+            values = batch.kv_pool.v_buffer[layer.layer_id].index_select(0, seg.kv_slots)
+        return F.scaled_dot_product_attention(
+            q[seg.start : end].transpose(0, 1),
+            keys.transpose(0, 1).to(q.dtype),
+            values.transpose(0, 1).to(q.dtype),
+            attn_mask=seg.mask,
+            is_causal=seg.mask is None,
+            scale=layer.scaling,
+            enable_gqa=layer.num_heads != layer.num_kv_heads,
+        ).transpose(0, 1)

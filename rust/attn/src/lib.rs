@@ -13,8 +13,9 @@
 //!
 //! Work is split in tasks, one per (query row, KV head): the scores of the group's query
 //! heads against every key, a softmax (its exp is a polynomial that vectorizes), then the
-//! weighted sum of the values. Tasks are cut into contiguous ranges of about equal key count,
-//! one per thread. The loops are compiled for AVX-512, for AVX2+FMA and for the baseline, and
+//! weighted sum of the values. Rows that share a cached prefix form a group: each block of
+//! the prefix's keys is read once and used by every member, while it is in L1. Tasks (a group
+//! and a KV head) are cut into ranges of about equal key count, one per thread. The loops are compiled for AVX-512, for AVX2+FMA and for the baseline, and
 //! the best the CPU has is chosen at run time.
 
 mod exp;
@@ -111,33 +112,77 @@ pub fn decode_attention<T: Elem>(
     num_threads: usize,
 ) -> Result<(), AttnError> {
     validate(p, out.len())?;
-    let kv_heads = p.dims.num_kv_heads;
-    let task_len = out.len() / (p.rows.len() * kv_heads).max(1);
-    let work: usize = p.seq_lens.iter().map(|&l| l as usize).sum::<usize>() * kv_heads;
-    let threads = if work < MIN_PARALLEL_WORK {
+    let groups = make_groups(p);
+    let mut tasks = Vec::with_capacity(groups.len() * p.dims.num_kv_heads);
+    let mut costs = Vec::with_capacity(tasks.capacity());
+    for (g, group) in groups.iter().enumerate() {
+        let cost: usize = group.members.iter().map(|&i| p.seq_lens[i] as usize).sum();
+        for head in 0..p.dims.num_kv_heads {
+            tasks.push(kernel::Task {
+                group: g as u32,
+                head: head as u32,
+            });
+            costs.push(cost);
+        }
+    }
+    let threads = if costs.iter().sum::<usize>() < MIN_PARALLEL_WORK {
         1
     } else {
         num_threads.max(1)
     };
-    let cuts = split_tasks(p.seq_lens, kv_heads, threads);
+    let cuts = split_tasks(&costs, threads);
+    let out = kernel::OutPtr(out.as_mut_ptr());
+    let groups = &groups[..];
     std::thread::scope(|scope| {
-        let mut rest = &mut *out;
-        let mut mine = None;
-        for (t, range) in cuts.windows(2).enumerate() {
-            let (first, last) = (range[0], range[1]);
-            let (chunk, tail) = rest.split_at_mut((last - first) * task_len);
-            rest = tail;
-            if t == 0 {
-                mine = Some((first, last, chunk));
-            } else {
-                scope.spawn(move || kernel::run_tasks(p, first, last, chunk));
-            }
+        for range in cuts.windows(2).skip(1) {
+            let mine = &tasks[range[0]..range[1]];
+            // SAFETY: `out` was validated to hold every row's output; each (row, KV head) is
+            // in exactly one task, so no two threads write the same element.
+            scope.spawn(move || unsafe { kernel::run_tasks(p, groups, mine, out) });
         }
-        if let Some((first, last, chunk)) = mine {
-            kernel::run_tasks(p, first, last, chunk);
-        }
+        // SAFETY: as above.
+        unsafe { kernel::run_tasks(p, groups, &tasks[cuts[0]..cuts[1]], out) };
     });
     Ok(())
+}
+
+/// Most rows in one group (their scores must stay in the core's cache).
+const MAX_GROUP: usize = 16;
+/// The shortest shared prefix worth reading once for several rows.
+const MIN_SHARED: usize = 16;
+
+/// Rows grouped by shared prefix: rows starting at the same slot whose slot lists agree on
+/// at least `MIN_SHARED` positions form a group (its `shared` is the common length); every
+/// other row is a group of its own (`shared` 0).
+fn make_groups<T>(p: &Problem<'_, T>) -> Vec<kernel::Group> {
+    let slots_of = |i: usize| {
+        let start = p.rows[i] as usize * p.table_width;
+        &p.table[start..start + p.seq_lens[i] as usize]
+    };
+    let mut order: Vec<usize> = (0..p.rows.len()).collect();
+    order.sort_by_key(|&i| (slots_of(i)[0], i));
+    let mut groups = Vec::new();
+    let mut at = 0;
+    while at < order.len() {
+        let lead = slots_of(order[at]);
+        let (mut end, mut shared) = (at + 1, lead.len());
+        while end < order.len() && end - at < MAX_GROUP {
+            let other = slots_of(order[end]);
+            let common = lead.iter().zip(other).take_while(|(a, b)| a == b).count();
+            if common.min(shared) < MIN_SHARED {
+                break;
+            }
+            shared = shared.min(common);
+            end += 1;
+        }
+        let shared = if end - at > 1 { shared } else { 0 };
+        groups.push(kernel::Group {
+            members: order[at..end].to_vec(),
+            shared,
+        });
+        at = end;
+    }
+    groups
 }
 
 fn validate<T>(p: &Problem<'_, T>, out_len: usize) -> Result<(), AttnError> {
@@ -199,20 +244,19 @@ fn validate<T>(p: &Problem<'_, T>, out_len: usize) -> Result<(), AttnError> {
     Ok(())
 }
 
-/// Task boundaries `[0, .., n * kv_heads]`: `threads` ranges of about equal key count.
-fn split_tasks(seq_lens: &[i64], kv_heads: usize, threads: usize) -> Vec<usize> {
-    let num_tasks = seq_lens.len() * kv_heads;
-    let total: usize = seq_lens.iter().map(|&l| l as usize).sum::<usize>() * kv_heads;
+/// Boundaries `[0, .., costs.len()]` of at most `threads` contiguous ranges of about equal cost.
+fn split_tasks(costs: &[usize], threads: usize) -> Vec<usize> {
+    let total: usize = costs.iter().sum();
     let mut cuts = vec![0];
     let mut done = 0usize;
-    for task in 0..num_tasks {
-        done += seq_lens[task / kv_heads] as usize;
+    for (task, cost) in costs.iter().enumerate() {
+        done += cost;
         let next = cuts.len();
-        if next < threads && done * threads >= total * next && task + 1 < num_tasks {
+        if next < threads && done * threads >= total * next && task + 1 < costs.len() {
             cuts.push(task + 1);
         }
     }
-    cuts.push(num_tasks);
+    cuts.push(costs.len());
     cuts
 }
 

@@ -29,6 +29,33 @@ impl Isa for Avx512 {
         let (acc, x) = (&mut acc[..d], &x[..d]);
         axpy512(acc.as_mut_ptr(), a, x.as_ptr(), d)
     }
+    #[inline(always)]
+    unsafe fn scores<T: Elem>(self, q: &[f32], keys: &[*const T], out: &mut [f32], d: usize) {
+        if keys.len() != 16 || !d.is_multiple_of(16) || out.len() < 16 {
+            for (o, &key) in out.iter_mut().zip(keys) {
+                *o = self.dot(q, std::slice::from_raw_parts(key, d), d);
+            }
+            return;
+        }
+        scores16(q[..d].as_ptr(), keys, out.as_mut_ptr(), d)
+    }
+    #[inline(always)]
+    unsafe fn weighted_sum<T: Elem>(
+        self,
+        acc: &mut [f32],
+        weights: &[f32],
+        values: &[*const T],
+        d: usize,
+    ) {
+        if !d.is_multiple_of(16) {
+            for (&w, &value) in weights.iter().zip(values) {
+                self.axpy(acc, w, std::slice::from_raw_parts(value, d), d);
+            }
+            return;
+        }
+        let n = weights.len().min(values.len());
+        weighted_sum512(acc[..d].as_mut_ptr(), &weights[..n], &values[..n], d)
+    }
 }
 
 impl Isa for Avx2 {
@@ -123,5 +150,89 @@ unsafe fn axpy256<T: Elem>(acc: *mut f32, a: f32, x: *const T, d: usize) {
         let sum = _mm256_fmadd_ps(a, load8(x.add(c)), _mm256_loadu_ps(acc.add(c)));
         _mm256_storeu_ps(acc.add(c), sum);
         c += 8;
+    }
+}
+
+/// Sixteen dot products of `q` with sixteen key rows: sixteen vector accumulators, then one
+/// transposing reduction (lane i of the result is the sum of accumulator i) instead of a
+/// horizontal sum per key.
+/// SAFETY: `d` (a multiple of 16) elements at `q` and at every key; 16 writable at `out`.
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn scores16<T: Elem>(q: *const f32, keys: &[*const T], out: *mut f32, d: usize) {
+    let mut acc = [_mm512_setzero_ps(); 16];
+    let mut c = 0;
+    while c < d {
+        let qv = _mm512_loadu_ps(q.add(c));
+        for (a, &key) in acc.iter_mut().zip(keys) {
+            *a = _mm512_fmadd_ps(qv, load16(key.add(c)), *a);
+        }
+        c += 16;
+    }
+    _mm512_storeu_ps(out, transpose_sum16(acc));
+}
+
+/// `[v0, .., v15] -> r` with `r[i] = sum of the lanes of v_i`.
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn transpose_sum16(v: [__m512; 16]) -> __m512 {
+    // pairs: per 128-bit lane, [a0+a2, b0+b2, a1+a3, b1+b3]
+    let mut pairs = [_mm512_setzero_ps(); 8];
+    for (i, p) in pairs.iter_mut().enumerate() {
+        let (a, b) = (v[2 * i], v[2 * i + 1]);
+        *p = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+    }
+    // quads: per 128-bit lane, that lane's sums of v_{4i}, v_{4i+1}, v_{4i+2}, v_{4i+3}
+    let mut quads = [_mm512_setzero_ps(); 4];
+    for (i, q) in quads.iter_mut().enumerate() {
+        let (a, b) = (
+            _mm512_castps_pd(pairs[2 * i]),
+            _mm512_castps_pd(pairs[2 * i + 1]),
+        );
+        let lo = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
+        let hi = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
+        *q = _mm512_add_ps(lo, hi);
+    }
+    // add the four 128-bit lanes of each quad: lane pairs, then pairs of pairs
+    let fold = |a: __m512, b: __m512| {
+        _mm512_add_ps(
+            _mm512_shuffle_f32x4::<0b10_00_10_00>(a, b),
+            _mm512_shuffle_f32x4::<0b11_01_11_01>(a, b),
+        )
+    };
+    fold(fold(quads[0], quads[1]), fold(quads[2], quads[3]))
+}
+
+/// `acc += sum_t weights[t] * values[t]`, the accumulator held in registers over the block.
+/// SAFETY: `d` (a multiple of 16) elements at `acc` and at every value row.
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn weighted_sum512<T: Elem>(acc: *mut f32, weights: &[f32], values: &[*const T], d: usize) {
+    let mut c = 0;
+    while c + 64 <= d {
+        let mut a = [
+            _mm512_loadu_ps(acc.add(c)),
+            _mm512_loadu_ps(acc.add(c + 16)),
+            _mm512_loadu_ps(acc.add(c + 32)),
+            _mm512_loadu_ps(acc.add(c + 48)),
+        ];
+        for (&w, &value) in weights.iter().zip(values) {
+            let w = _mm512_set1_ps(w);
+            for (k, a) in a.iter_mut().enumerate() {
+                *a = _mm512_fmadd_ps(w, load16(value.add(c + 16 * k)), *a);
+            }
+        }
+        for (k, a) in a.iter().enumerate() {
+            _mm512_storeu_ps(acc.add(c + 16 * k), *a);
+        }
+        c += 64;
+    }
+    while c < d {
+        let mut a = _mm512_loadu_ps(acc.add(c));
+        for (&w, &value) in weights.iter().zip(values) {
+            a = _mm512_fmadd_ps(_mm512_set1_ps(w), load16(value.add(c)), a);
+        }
+        _mm512_storeu_ps(acc.add(c), a);
+        c += 16;
     }
 }
