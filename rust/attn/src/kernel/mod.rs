@@ -285,13 +285,11 @@ unsafe fn run_body<T: Elem, H: HeadDim, I: Isa>(
         scores.clear();
         scores.resize(total, 0.0);
         let prefetch_next = |buf: &[T], slots: &[i32], end: usize| {
-            if PREFETCH {
-                for &slot in slots
-                    .get(end..(end + BLOCK).min(slots.len()))
-                    .unwrap_or(&[])
-                {
-                    prefetch(&buf[(slot as usize * num_kv_heads + h) * d..][..d]);
-                }
+            for &slot in slots
+                .get(end..(end + BLOCK).min(slots.len()))
+                .unwrap_or(&[])
+            {
+                prefetch(&buf[(slot as usize * num_kv_heads + h) * d..][..d]);
             }
         };
         // scores: each block of the shared prefix once for all members, then each member's own
