@@ -47,7 +47,9 @@ def concurrency(run: Run) -> int:
 
 
 def label(run: Run) -> str:
-    return run.get("tag") or f"{run['backend']} c={concurrency(run)}"
+    """The run's tag (or backend and concurrency) and its dataset, for plot legends."""
+    name = run.get("tag") or f"{run['backend']} c={concurrency(run)}"
+    return f"{name} {run['workload'].split('(')[0]}"
 
 
 def peer_ratios(runs: Sequence[Run]) -> list[str]:
