@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
     parser.add_argument("--page-size", type=int, default=1)
-    parser.add_argument("--attention-backend", default=None, help="torch_native or triton")
+    parser.add_argument("--attention-backend", default=None, help="cpu, torch_native or triton")
     parser.add_argument("--warmup", type=int, default=1, help="untimed warm-up runs")
     parser.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--seed", type=int, default=0)
