@@ -272,6 +272,14 @@ unsafe fn run_body<T: Elem, H: HeadDim, I: Isa>(
         let Group { members, shared } = &groups[task.group as usize];
         let (h, shared) = (task.head as usize, *shared);
         let lead = slots_of(members[0]);
+        let plan = Plan {
+            lead,
+            shared,
+            members,
+            slots_of: &slots_of,
+            kv_heads: num_kv_heads,
+            d,
+        };
         // this head's queries of every member, scaled; score rows: member m, query head j
         q.clear();
         offsets.clear();
@@ -284,36 +292,17 @@ unsafe fn run_body<T: Elem, H: HeadDim, I: Isa>(
         }
         scores.clear();
         scores.resize(total, 0.0);
-        let prefetch_next = |buf: &[T], slots: &[i32], end: usize| {
-            for &slot in slots
-                .get(end..(end + BLOCK).min(slots.len()))
-                .unwrap_or(&[])
-            {
-                prefetch(&buf[(slot as usize * num_kv_heads + h) * d..][..d]);
-            }
-        };
         // scores: each block of the shared prefix once for all members, then each member's own
-        for (m_first, m_last, from, to) in block_plan(members, shared, &slots_of) {
-            let source = if from < shared {
-                lead
-            } else {
-                slots_of(members[m_first])
-            };
-            for block in (from..to).step_by(BLOCK) {
-                let end = (block + BLOCK).min(to);
-                prefetch_next(p.k, &source[..to], end);
-                let keys = &mut ptrs[..end - block];
-                row_ptrs(p.k, &source[block..end], h, num_kv_heads, d, keys);
-                for m in m_first..m_last {
-                    let len = p.seq_lens[members[m]] as usize;
-                    for j in 0..per_kv {
-                        let qj = &q[(m * per_kv + j) * d..][..d];
-                        let row = &mut scores[offsets[m] + j * len..][..len];
-                        isa.scores(qj, keys, &mut row[block..end], d);
-                    }
+        for_each_block(p.k, h, &plan, &mut ptrs, |members_in, block, end, keys| {
+            for m in members_in {
+                let len = p.seq_lens[members[m]] as usize;
+                for j in 0..per_kv {
+                    let qj = &q[(m * per_kv + j) * d..][..d];
+                    let row = &mut scores[offsets[m] + j * len..][..len];
+                    isa.scores(qj, keys, &mut row[block..end], d);
                 }
             }
-        }
+        });
         sums.clear();
         for (m, &i) in members.iter().enumerate() {
             let len = p.seq_lens[i] as usize;
@@ -325,18 +314,13 @@ unsafe fn run_body<T: Elem, H: HeadDim, I: Isa>(
         }
         acc.clear();
         acc.resize(members.len() * task_len, 0.0);
-        for (m_first, m_last, from, to) in block_plan(members, shared, &slots_of) {
-            let source = if from < shared {
-                lead
-            } else {
-                slots_of(members[m_first])
-            };
-            for block in (from..to).step_by(BLOCK) {
-                let end = (block + BLOCK).min(to);
-                prefetch_next(p.v, &source[..to], end);
-                let values = &mut ptrs[..end - block];
-                row_ptrs(p.v, &source[block..end], h, num_kv_heads, d, values);
-                for m in m_first..m_last {
+        for_each_block(
+            p.v,
+            h,
+            &plan,
+            &mut ptrs,
+            |members_in, block, end, values| {
+                for m in members_in {
                     let len = p.seq_lens[members[m]] as usize;
                     for j in 0..per_kv {
                         let acc_j = &mut acc[(m * per_kv + j) * d..][..d];
@@ -344,8 +328,8 @@ unsafe fn run_body<T: Elem, H: HeadDim, I: Isa>(
                         isa.weighted_sum(acc_j, &row[block..end], values, d);
                     }
                 }
-            }
-        }
+            },
+        );
         for (m, &i) in members.iter().enumerate() {
             let at = (i * num_kv_heads + h) * task_len;
             let out = std::slice::from_raw_parts_mut(out.0.add(at), task_len);
@@ -364,18 +348,45 @@ unsafe fn run_body<T: Elem, H: HeadDim, I: Isa>(
     }
 }
 
-/// The key ranges a group reads, as `(first member, last member + 1, from, to)`: positions
-/// `0..shared` for all members at once, then each member's own `shared..len`.
-fn block_plan<'a>(
-    members: &'a [usize],
+/// The keys a group reads: positions `0..shared` of `lead` for all members at once, then
+/// each member's own `shared..len`.
+struct Plan<'a, F> {
+    lead: &'a [i32],
     shared: usize,
-    slots_of: &'a impl Fn(usize) -> &'a [i32],
-) -> impl Iterator<Item = (usize, usize, usize, usize)> + 'a {
-    let common = (shared > 0).then_some((0, members.len(), 0, shared));
-    let own = members
-        .iter()
-        .enumerate()
-        .map(move |(m, &i)| (m, m + 1, shared, slots_of(i).len()))
-        .filter(|&(_, _, from, to)| from < to);
-    common.into_iter().chain(own)
+    members: &'a [usize],
+    slots_of: &'a F,
+    kv_heads: usize,
+    d: usize,
+}
+
+/// Calls `visit(members, from, to, rows)` for each block of keys of `plan` with the addresses
+/// of their rows of head `h` in `buf` (K or V); prefetches the next block first.
+#[inline(always)]
+fn for_each_block<'a, T, F, V>(
+    buf: &[T],
+    h: usize,
+    plan: &Plan<'a, F>,
+    ptrs: &mut [*const T; BLOCK],
+    mut visit: V,
+) where
+    F: Fn(usize) -> &'a [i32],
+    V: FnMut(std::ops::Range<usize>, usize, usize, &[*const T]),
+{
+    let (kv_heads, d) = (plan.kv_heads, plan.d);
+    let common = (plan.shared > 0).then_some((0..plan.members.len(), plan.lead, 0, plan.shared));
+    let own = plan.members.iter().enumerate().map(|(m, &i)| {
+        let slots = (plan.slots_of)(i);
+        (m..m + 1, slots, plan.shared, slots.len())
+    });
+    for (members, slots, from, to) in common.into_iter().chain(own) {
+        for block in (from..to).step_by(BLOCK) {
+            let end = (block + BLOCK).min(to);
+            for &slot in &slots[end..(end + BLOCK).min(to)] {
+                prefetch(&buf[(slot as usize * kv_heads + h) * d..][..d]);
+            }
+            let rows = &mut ptrs[..end - block];
+            row_ptrs(buf, &slots[block..end], h, kv_heads, d, rows);
+            visit(members.clone(), block, end, rows);
+        }
+    }
 }
