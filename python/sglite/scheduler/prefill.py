@@ -87,7 +87,7 @@ class PrefillManager:
                 or len(adder.entries) - (chunked is not None) >= free_rows
             ):
                 break
-            self.cache.match(req)  # a no-op if the policy matched it and the tree is unchanged
+            self.cache.match(req)  # current for the gate and the adder (reused if unchanged)
             if gate.defers(req):
                 continue
             before = len(adder.entries)

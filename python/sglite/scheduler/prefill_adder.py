@@ -61,8 +61,8 @@ class PrefillAdder:
         return state
 
     def add_one(self, req: Req) -> int:
-        """Try to admit a waiting request; returns the core's verdict for the next one."""
-        self.cache.match(req)  # current already (the caller matched it): a no-op
+        """Try to admit a waiting request whose match is current (`cache.match(req)` since the
+        tree last changed); returns the core's verdict for the next one."""
         self.cache.lock(req.match_node)
         admitted, state, granted = self.budget.add_req(
             self.cache.available_and_evictable(),

@@ -37,6 +37,7 @@ from sglite.messages import (
 from sglite.scheduler.batch import ScheduleBatch
 from sglite.scheduler.decode import DecodeManager
 from sglite.scheduler.heap import trim_heap
+from sglite.scheduler.limits import RequestLimits
 from sglite.scheduler.output import OutputStreamer
 from sglite.scheduler.policy import SchedulePolicy
 from sglite.scheduler.prefill import PrefillManager
@@ -72,7 +73,7 @@ class Scheduler:
         self.policy = SchedulePolicy(args.schedule_policy, self.cache, core, args.random_seed)
         self.client = WorkerClient(worker, overlap=not args.disable_overlap_schedule)
         self.step = self.step_normal if args.disable_overlap_schedule else self.step_overlap
-        self.context_length = context_length
+        self.limits = RequestLimits(context_length, allocator.capacity(), args.page_size, core)
         self.max_running = min(args.max_running_requests or 1 << 30, req_to_token_pool.size)
         self.stop_checker = StopChecker(eos_token_ids, decode_tail)
         self.streamer = OutputStreamer(send, args.stream_interval)
@@ -176,22 +177,7 @@ class Scheduler:
     def add_request(self, msg: GenerateReq) -> Req:
         req = Req(msg.rid, list(msg.input_ids), msg.sampling_params, msg.stream, msg.extra_key)
         req.wait_since_processed = self.processed_tokens
-        prompt_len, cap = len(req.input_ids), self.cache.allocator.capacity()
-        error = None
-        if not req.input_ids:
-            error = "the prompt is empty"
-        elif prompt_len + req.max_new_tokens > self.context_length:
-            error = (
-                f"prompt ({prompt_len} tokens) + max_new_tokens ({req.max_new_tokens}) exceeds "
-                f"the context length {self.context_length}"
-            )
-        elif req.max_new_tokens > self.core.PrefillBudget.max_new_tokens_limit(
-            cap, self.args.page_size, prompt_len
-        ):  # the admission rule itself: refused here, it would never be admitted
-            error = (
-                f"prompt ({prompt_len} tokens) + max_new_tokens ({req.max_new_tokens}) can "
-                f"never fit in the KV cache ({cap} tokens, page size {self.args.page_size})"
-            )
+        error = self.limits.refusal(len(req.input_ids), req.max_new_tokens)
         if error is not None:
             self.counters["num_rejected_reqs"] += 1
             self._refuse(req, 400, error)
@@ -266,15 +252,10 @@ class Scheduler:
         )
 
     def _refuse_head(self) -> None:
-        """Safety net: the KV cache is idle and still the head of the queue was not admitted.
-        Validation should have refused it; finish it rather than retry it forever."""
+        """Safety net: the KV cache is idle and still the head of the queue was not admitted
+        (see limits.py); finish it rather than retry it forever."""
         req = self.waiting.pop(0)
-        cap = self.cache.allocator.capacity()
-        message = (
-            f"prompt ({req.fill_len} tokens) + max_new_tokens ({req.max_new_tokens}) cannot "
-            f"be admitted even into the idle KV cache ({cap} tokens, page size "
-            f"{self.args.page_size})"
-        )
+        message = self.limits.idle_refusal(req.fill_len, req.max_new_tokens)
         logger.error("request %s refused: %s", req.rid, message)
         self.counters["num_rejected_reqs"] += 1
         self._refuse(req, 400, message)
