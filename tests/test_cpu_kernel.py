@@ -87,6 +87,8 @@ def test_bad_layouts_are_value_errors():
     with pytest.raises(ValueError, match="int32"):
         call(q, k, v, table.long(), rows, seq_lens, 1.0)
     with pytest.raises(ValueError, match="must both be"):
+        call(q, k, v, table, rows[:2], seq_lens, 1.0)
+    with pytest.raises(ValueError, match="do not fit 2 rows"):
         call(q, k, v, table, rows[:2], seq_lens[:2], 1.0)
     with pytest.raises(ValueError, match="head layout"):
         call(q[:, :3].contiguous(), k, v, table, rows, seq_lens, 1.0)

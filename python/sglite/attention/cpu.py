@@ -31,10 +31,9 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True, eq=False)
 class _PoolRows:
-    """One-token requests: their `req_to_token` rows and lengths, read by the kernel."""
+    """One-token requests, planned for the kernel once per forward."""
 
-    pool_rows: torch.Tensor  # [n] int64
-    seq_lens: torch.Tensor  # [n] int64
+    plan: cpu_kernel.DecodeRows
     tokens: torch.Tensor | None = None  # their token indices in a mixed batch
 
 
@@ -56,18 +55,20 @@ class CpuAttnBackend(TorchNativeAttnBackend):
         pool_rows = batch.req_pool_indices
         if len(which) != batch.batch_size:
             pool_rows = pool_rows[torch.tensor(list(which), device=pool_rows.device)]
-        lens = torch.tensor(seq_lens, dtype=torch.int64)
-        return _PoolRows(pool_rows.to(torch.int64).contiguous(), lens, tokens)
+        plan = cpu_kernel.DecodeRows(
+            batch.req_to_token_pool.req_to_token,
+            pool_rows.to(torch.int64).contiguous(),
+            torch.tensor(seq_lens, dtype=torch.int64),
+            batch.kv_pool.k_buffer[0].shape[1],
+        )
+        return _PoolRows(plan, tokens)
 
     def _decode_rows(
         self, q: torch.Tensor, layer: RadixAttention, batch: ForwardBatch, rows: _PoolRows
     ) -> torch.Tensor:
         pool = batch.kv_pool
         k, v = pool.k_buffer[layer.layer_id], pool.v_buffer[layer.layer_id]
-        table = batch.req_to_token_pool.req_to_token
-        return cpu_kernel.decode_attention(
-            q.to(k.dtype).contiguous(), k, v, table, rows.pool_rows, rows.seq_lens, layer.scaling
-        ).to(q.dtype)
+        return rows.plan.attend(q.to(k.dtype).contiguous(), k, v, layer.scaling).to(q.dtype)
 
     def _segment(self, table: torch.Tensor, row, start: int, prefix: int, ext: int) -> _Segment:
         """Only the prefix's slots: the new tokens' K/V come from this step's tensors."""

@@ -2,8 +2,9 @@
 
 The kernel (rust/attn) reads K/V in place from one layer of the KV pool: query row i attends
 to the slots `table[rows[i], :seq_lens[i]]`, GQA query head h to KV head
-`h // (num_heads // num_kv_heads)`. This module checks the layout contract (CPU, dtype,
-shape, contiguity), keeps the tensors alive for the call and returns the output.
+`h // (num_heads // num_kv_heads)`. A forward pass plans its rows once (`DecodeRows`) and
+attends in every layer; this module checks the layout contract (CPU, dtype, shape,
+contiguity), keeps the tensors alive for each call and returns the output.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ def unavailable_reason() -> str | None:
         from sglite import _core
     except ImportError as e:
         return f"the native module sglite._core does not import ({e})"
-    if not hasattr(_core, "decode_attention"):
+    if not hasattr(_core, "DecodePlan"):
         return "the native module sglite._core is older than this package; reinstall it"
     return None
 
@@ -32,6 +33,75 @@ def _raw(t: torch.Tensor) -> tuple[int, int]:
     return t.data_ptr(), t.numel()
 
 
+class DecodeRows:
+    """One forward's one-token rows, planned once (`sglite._core.DecodePlan`: the rows' slots
+    copied and checked, rows sharing a cached prefix grouped), then attended in every layer.
+
+    `table` int32 `[R, W]` (the request table), `rows` and `seq_lens` int64 `[n]`: row i
+    attends to the slots `table[rows[i], :seq_lens[i]]`."""
+
+    def __init__(
+        self, table: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor, num_kv_heads: int
+    ) -> None:
+        from sglite import _core
+
+        if table.dtype != torch.int32 or table.dim() != 2:
+            raise ValueError(f"decode_attention: table must be 2-D int32, got {table.dtype}")
+        if rows.dtype != torch.int64 or seq_lens.dtype != torch.int64:
+            raise ValueError("decode_attention: rows and seq_lens must be int64")
+        if rows.dim() != 1 or rows.shape != seq_lens.shape:
+            raise ValueError(
+                f"decode_attention: rows {tuple(rows.shape)} and seq_lens "
+                f"{tuple(seq_lens.shape)} must both be [n]"
+            )
+        _check_cpu_contiguous(table, rows, seq_lens)
+        self.num_rows = rows.shape[0]
+        self.plan = _core.DecodePlan(
+            _raw(table), table.shape[1], _raw(rows), _raw(seq_lens), num_kv_heads
+        )
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k_buffer: torch.Tensor,
+        v_buffer: torch.Tensor,
+        scale: float,
+        num_threads: int | None = None,
+    ) -> torch.Tensor:
+        """q `[n, H, D]` over one layer's k/v `[num_slots, KVH, D]`; returns `[n, H, D]`."""
+        if q.dim() != 3 or k_buffer.dim() != 3 or k_buffer.shape != v_buffer.shape:
+            raise ValueError(
+                f"decode_attention: q must be [n, H, D] and k/v [slots, KVH, D] alike; got "
+                f"{tuple(q.shape)}, {tuple(k_buffer.shape)}, {tuple(v_buffer.shape)}"
+            )
+        n, num_heads, head_dim = q.shape
+        if n != self.num_rows or k_buffer.shape[2] != head_dim:
+            raise ValueError(
+                f"decode_attention: q {tuple(q.shape)} and K/V {tuple(k_buffer.shape)} do not "
+                f"fit {self.num_rows} rows of head_dim {head_dim}"
+            )
+        if q.dtype not in _DTYPES or k_buffer.dtype != q.dtype or v_buffer.dtype != q.dtype:
+            raise ValueError(
+                f"decode_attention: q, k, v must all be float32 or all bfloat16; got "
+                f"{q.dtype}, {k_buffer.dtype}, {v_buffer.dtype}"
+            )
+        _check_cpu_contiguous(q, k_buffer, v_buffer)
+        out = torch.empty_like(q)
+        self.plan.run(
+            _raw(q),
+            _raw(k_buffer),
+            _raw(v_buffer),
+            _raw(out),
+            num_heads,
+            k_buffer.shape[1],
+            head_dim,
+            float(scale),
+            _DTYPES[q.dtype],
+            num_threads if num_threads is not None else torch.get_num_threads(),
+        )
+        return out
+
+
 def decode_attention(
     q: torch.Tensor,
     k_buffer: torch.Tensor,
@@ -42,51 +112,17 @@ def decode_attention(
     scale: float,
     num_threads: int | None = None,
 ) -> torch.Tensor:
-    """q `[n, H, D]`, k/v `[num_slots, KVH, D]`, table int32 `[R, W]`, rows/seq_lens int64 `[n]`."""
-    from sglite import _core
+    """One layer, planned and run at once (see `DecodeRows`)."""
+    if k_buffer.dim() != 3:
+        raise ValueError(
+            f"decode_attention: k must be [slots, KVH, D], got {tuple(k_buffer.shape)}"
+        )
+    plan = DecodeRows(table, rows, seq_lens, k_buffer.shape[1])
+    return plan.attend(q, k_buffer, v_buffer, scale, num_threads)
 
-    if q.dim() != 3 or k_buffer.dim() != 3 or k_buffer.shape != v_buffer.shape:
-        raise ValueError(
-            f"decode_attention: q must be [n, H, D] and k/v [slots, KVH, D] alike; got "
-            f"{tuple(q.shape)}, {tuple(k_buffer.shape)}, {tuple(v_buffer.shape)}"
-        )
-    n, num_heads, head_dim = q.shape
-    if k_buffer.shape[2] != head_dim:
-        raise ValueError(f"decode_attention: head_dim {head_dim} vs K/V {k_buffer.shape[2]}")
-    if q.dtype not in _DTYPES or k_buffer.dtype != q.dtype or v_buffer.dtype != q.dtype:
-        raise ValueError(
-            f"decode_attention: q, k, v must all be float32 or all bfloat16; got "
-            f"{q.dtype}, {k_buffer.dtype}, {v_buffer.dtype}"
-        )
-    if table.dtype != torch.int32 or table.dim() != 2:
-        raise ValueError(f"decode_attention: table must be 2-D int32, got {table.dtype}")
-    if rows.dtype != torch.int64 or seq_lens.dtype != torch.int64:
-        raise ValueError("decode_attention: rows and seq_lens must be int64")
-    if rows.shape != (n,) or seq_lens.shape != (n,):
-        raise ValueError(
-            f"decode_attention: rows {tuple(rows.shape)} and seq_lens {tuple(seq_lens.shape)} "
-            f"must both be [{n}]"
-        )
-    tensors = (q, k_buffer, v_buffer, table, rows, seq_lens)
+
+def _check_cpu_contiguous(*tensors: torch.Tensor) -> None:
     if any(t.device.type != "cpu" for t in tensors):
         raise ValueError("decode_attention: every tensor must be on the CPU")
     if not all(t.is_contiguous() for t in tensors):
         raise ValueError("decode_attention: every tensor must be contiguous")
-    out = torch.empty_like(q)
-    _core.decode_attention(
-        _raw(q),
-        _raw(k_buffer),
-        _raw(v_buffer),
-        _raw(out),
-        _raw(table),
-        table.shape[1],
-        _raw(rows),
-        _raw(seq_lens),
-        num_heads,
-        k_buffer.shape[1],
-        head_dim,
-        float(scale),
-        _DTYPES[q.dtype],
-        num_threads if num_threads is not None else torch.get_num_threads(),
-    )
-    return out

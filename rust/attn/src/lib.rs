@@ -73,7 +73,8 @@ pub struct Dims {
     pub head_dim: usize,
 }
 
-/// One layer's decode attention: the inputs, borrowed.
+/// One layer's decode attention, all inputs borrowed (`decode_attention` builds the plan and
+/// runs it; a forward pass builds one `DecodePlan` and runs it for every layer instead).
 pub struct Problem<'a, T> {
     pub q: &'a [T],
     pub k: &'a [T],
@@ -82,6 +83,15 @@ pub struct Problem<'a, T> {
     pub table_width: usize,
     pub rows: &'a [i64],
     pub seq_lens: &'a [i64],
+    pub dims: Dims,
+    pub scale: f32,
+}
+
+/// What changes from layer to layer: the queries, this layer's pool and the head layout.
+pub struct Layer<'a, T> {
+    pub q: &'a [T],
+    pub k: &'a [T],
+    pub v: &'a [T],
     pub dims: Dims,
     pub scale: f32,
 }
@@ -111,39 +121,192 @@ pub fn decode_attention<T: Elem>(
     out: &mut [T],
     num_threads: usize,
 ) -> Result<(), AttnError> {
-    validate(p, out.len())?;
-    let groups = make_groups(p);
-    let mut tasks = Vec::with_capacity(groups.len() * p.dims.num_kv_heads);
-    let mut costs = Vec::with_capacity(tasks.capacity());
-    for (g, group) in groups.iter().enumerate() {
-        let cost: usize = group.members.iter().map(|&i| p.seq_lens[i] as usize).sum();
-        for head in 0..p.dims.num_kv_heads {
-            tasks.push(kernel::Task {
-                group: g as u32,
-                head: head as u32,
-            });
-            costs.push(cost);
-        }
-    }
-    let threads = if costs.iter().sum::<usize>() < MIN_PARALLEL_WORK {
-        1
-    } else {
-        num_threads.max(1)
+    let plan = DecodePlan::new(
+        p.table,
+        p.table_width,
+        p.rows,
+        p.seq_lens,
+        p.dims.num_kv_heads,
+    )?;
+    let layer = Layer {
+        q: p.q,
+        k: p.k,
+        v: p.v,
+        dims: p.dims,
+        scale: p.scale,
     };
-    let cuts = split_tasks(&costs, threads);
-    let out = kernel::OutPtr(out.as_mut_ptr());
-    let groups = &groups[..];
-    std::thread::scope(|scope| {
-        for range in cuts.windows(2).skip(1) {
-            let mine = &tasks[range[0]..range[1]];
-            // SAFETY: `out` was validated to hold every row's output; each (row, KV head) is
-            // in exactly one task, so no two threads write the same element.
-            scope.spawn(move || unsafe { kernel::run_tasks(p, groups, mine, out) });
+    plan.run(&layer, out, num_threads)
+}
+
+/// The layer-independent part of a decode batch's attention, built once per forward pass:
+/// each row's slots (copied from the request table and checked), the groups of rows that share
+/// a cached prefix, and the tasks (a group and a KV head) with their costs.
+pub struct DecodePlan {
+    slots: Vec<i32>,
+    starts: Vec<usize>, // row i's slots: slots[starts[i]..starts[i + 1]]
+    num_kv_heads: usize,
+    groups: Vec<kernel::Group>,
+    tasks: Vec<kernel::Task>,
+    costs: Vec<usize>,
+    largest_slot: Option<(i32, usize)>, // (slot, its row), for the pool-size check
+}
+
+impl DecodePlan {
+    /// Query row i attends to the slots `table[rows[i], 0 .. seq_lens[i]]` (table
+    /// `[table_rows, table_width]`).
+    pub fn new(
+        table: &[i32],
+        table_width: usize,
+        rows: &[i64],
+        seq_lens: &[i64],
+        num_kv_heads: usize,
+    ) -> Result<Self, AttnError> {
+        if num_kv_heads == 0 {
+            return err("num_kv_heads must be >= 1".to_owned());
         }
-        // SAFETY: as above.
-        unsafe { kernel::run_tasks(p, groups, &tasks[cuts[0]..cuts[1]], out) };
-    });
-    Ok(())
+        if rows.len() != seq_lens.len() {
+            return err(format!(
+                "{} rows but {} seq_lens",
+                rows.len(),
+                seq_lens.len()
+            ));
+        }
+        if table_width == 0 || !table.len().is_multiple_of(table_width) {
+            return err(format!(
+                "table of {} entries is not [rows, {table_width}]",
+                table.len()
+            ));
+        }
+        let table_rows = table.len() / table_width;
+        let mut slots = Vec::with_capacity(seq_lens.iter().map(|&l| l.max(0) as usize).sum());
+        let mut starts = vec![0];
+        let mut largest_slot: Option<(i32, usize)> = None;
+        for (&row, &len) in rows.iter().zip(seq_lens) {
+            if row < 0 || row as usize >= table_rows {
+                return err(format!(
+                    "row {row} is outside the table's {table_rows} rows"
+                ));
+            }
+            if len < 1 || len as usize > table_width {
+                return err(format!("seq_len {len} is outside 1..={table_width}"));
+            }
+            let start = row as usize * table_width;
+            let own = &table[start..start + len as usize];
+            if let Some(bad) = own.iter().find(|&&s| s < 0) {
+                return err(format!("slot {bad} of row {row} is outside the pool"));
+            }
+            let top = own.iter().copied().max().unwrap_or(0);
+            if largest_slot.is_none_or(|(s, _)| top > s) {
+                largest_slot = Some((top, row as usize));
+            }
+            slots.extend_from_slice(own);
+            starts.push(slots.len());
+        }
+        let slots_of = |i: usize| &slots[starts[i]..starts[i + 1]];
+        let groups = make_groups(rows.len(), slots_of);
+        let mut tasks = Vec::with_capacity(groups.len() * num_kv_heads);
+        let mut costs = Vec::with_capacity(tasks.capacity());
+        for (g, group) in groups.iter().enumerate() {
+            let cost: usize = group.members.iter().map(|&i| slots_of(i).len()).sum();
+            for head in 0..num_kv_heads {
+                tasks.push(kernel::Task {
+                    group: g as u32,
+                    head: head as u32,
+                });
+                costs.push(cost);
+            }
+        }
+        Ok(Self {
+            slots,
+            starts,
+            num_kv_heads,
+            groups,
+            tasks,
+            costs,
+            largest_slot,
+        })
+    }
+
+    pub fn num_rows(&self) -> usize {
+        self.starts.len() - 1
+    }
+
+    /// Row i's slots.
+    pub(crate) fn slots(&self, i: usize) -> &[i32] {
+        &self.slots[self.starts[i]..self.starts[i + 1]]
+    }
+
+    /// One layer: writes `out` (`[n, num_heads, head_dim]`) from `layer`'s q and pool.
+    pub fn run<T: Elem>(
+        &self,
+        layer: &Layer<'_, T>,
+        out: &mut [T],
+        num_threads: usize,
+    ) -> Result<(), AttnError> {
+        self.check(layer, out.len())?;
+        let threads = if self.costs.iter().sum::<usize>() < MIN_PARALLEL_WORK {
+            1
+        } else {
+            num_threads.max(1)
+        };
+        let cuts = split_tasks(&self.costs, threads);
+        let out = kernel::OutPtr(out.as_mut_ptr());
+        std::thread::scope(|scope| {
+            for range in cuts.windows(2).skip(1) {
+                let mine = &self.tasks[range[0]..range[1]];
+                // SAFETY: `check` made sure `out` holds every row's output and every slot is
+                // in the pool; each (row, KV head) is in exactly one task, so no two threads
+                // write the same element.
+                scope.spawn(move || unsafe { kernel::run_tasks(self, layer, mine, out) });
+            }
+            // SAFETY: as above.
+            unsafe { kernel::run_tasks(self, layer, &self.tasks[cuts[0]..cuts[1]], out) };
+        });
+        Ok(())
+    }
+
+    fn check<T>(&self, layer: &Layer<'_, T>, out_len: usize) -> Result<(), AttnError> {
+        let Dims {
+            num_heads,
+            num_kv_heads,
+            head_dim,
+        } = layer.dims;
+        if num_kv_heads != self.num_kv_heads
+            || head_dim == 0
+            || !num_heads.is_multiple_of(num_kv_heads)
+        {
+            return err(format!(
+                "bad head layout: {num_heads} query heads, {num_kv_heads} KV heads (the plan's: \
+                 {}), head_dim {head_dim}",
+                self.num_kv_heads
+            ));
+        }
+        let n = self.num_rows();
+        let q_len = n * num_heads * head_dim;
+        if layer.q.len() != q_len || out_len != q_len {
+            return err(format!(
+                "q has {} and out {out_len} elements; [{n}, {num_heads}, {head_dim}] needs {q_len}",
+                layer.q.len()
+            ));
+        }
+        let slot_len = num_kv_heads * head_dim;
+        if layer.k.len() != layer.v.len() || !layer.k.len().is_multiple_of(slot_len) {
+            return err(format!(
+                "k has {} and v {} elements; both must be [num_slots, {num_kv_heads}, {head_dim}]",
+                layer.k.len(),
+                layer.v.len()
+            ));
+        }
+        let num_slots = layer.k.len() / slot_len;
+        if let Some((slot, row)) = self.largest_slot {
+            if slot as usize >= num_slots {
+                return err(format!(
+                    "slot {slot} of row {row} is outside the pool's {num_slots} slots"
+                ));
+            }
+        }
+        Ok(())
+    }
 }
 
 /// Most rows in one group (their scores must stay in the core's cache).
@@ -154,12 +317,8 @@ const MIN_SHARED: usize = 16;
 /// Rows grouped by shared prefix: rows starting at the same slot whose slot lists agree on
 /// at least `MIN_SHARED` positions form a group (its `shared` is the common length); every
 /// other row is a group of its own (`shared` 0).
-fn make_groups<T>(p: &Problem<'_, T>) -> Vec<kernel::Group> {
-    let slots_of = |i: usize| {
-        let start = p.rows[i] as usize * p.table_width;
-        &p.table[start..start + p.seq_lens[i] as usize]
-    };
-    let mut order: Vec<usize> = (0..p.rows.len()).collect();
+fn make_groups<'a>(n: usize, slots_of: impl Fn(usize) -> &'a [i32]) -> Vec<kernel::Group> {
+    let mut order: Vec<usize> = (0..n).collect();
     order.sort_by_key(|&i| (slots_of(i)[0], i));
     let mut groups = Vec::new();
     let mut at = 0;
@@ -183,65 +342,6 @@ fn make_groups<T>(p: &Problem<'_, T>) -> Vec<kernel::Group> {
         at = end;
     }
     groups
-}
-
-fn validate<T>(p: &Problem<'_, T>, out_len: usize) -> Result<(), AttnError> {
-    let Dims {
-        num_heads,
-        num_kv_heads,
-        head_dim,
-    } = p.dims;
-    if num_kv_heads == 0 || head_dim == 0 || !num_heads.is_multiple_of(num_kv_heads) {
-        return err(format!(
-            "bad head layout: {num_heads} query heads, {num_kv_heads} KV heads, head_dim {head_dim}"
-        ));
-    }
-    let n = p.rows.len();
-    if p.seq_lens.len() != n {
-        return err(format!("{n} rows but {} seq_lens", p.seq_lens.len()));
-    }
-    let q_len = n * num_heads * head_dim;
-    if p.q.len() != q_len || out_len != q_len {
-        return err(format!(
-            "q has {} and out {out_len} elements; [{n}, {num_heads}, {head_dim}] needs {q_len}",
-            p.q.len()
-        ));
-    }
-    let slot_len = num_kv_heads * head_dim;
-    if p.k.len() != p.v.len() || !p.k.len().is_multiple_of(slot_len) {
-        return err(format!(
-            "k has {} and v {} elements; both must be [num_slots, {num_kv_heads}, {head_dim}]",
-            p.k.len(),
-            p.v.len()
-        ));
-    }
-    let num_slots = p.k.len() / slot_len;
-    let width = p.table_width;
-    if width == 0 || !p.table.len().is_multiple_of(width) {
-        return err(format!(
-            "table of {} entries is not [rows, {width}]",
-            p.table.len()
-        ));
-    }
-    let table_rows = p.table.len() / width;
-    for (&row, &len) in p.rows.iter().zip(p.seq_lens) {
-        if row < 0 || row as usize >= table_rows {
-            return err(format!(
-                "row {row} is outside the table's {table_rows} rows"
-            ));
-        }
-        if len < 1 || len as usize > width {
-            return err(format!("seq_len {len} is outside 1..={width}"));
-        }
-        let start = row as usize * width;
-        let slots = &p.table[start..start + len as usize];
-        if let Some(bad) = slots.iter().find(|&&s| s < 0 || s as usize >= num_slots) {
-            return err(format!(
-                "slot {bad} of row {row} is outside the pool's {num_slots} slots"
-            ));
-        }
-    }
-    Ok(())
 }
 
 /// Boundaries `[0, .., costs.len()]` of at most `threads` contiguous ranges of about equal cost.

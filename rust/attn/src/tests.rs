@@ -322,7 +322,7 @@ fn rows_sharing_a_prefix_are_grouped() {
         dims,
         scale: 1.0,
     };
-    let groups = make_groups(&p);
+    let groups = plan_of(&p).groups;
     let got: Vec<(Vec<usize>, usize)> = groups
         .iter()
         .map(|g| (g.members.clone(), g.shared))
@@ -351,7 +351,8 @@ fn groups_match_the_reference() {
     }
     c.rows = (0..20).map(|i| i as i64).collect();
     let p = problem(&c);
-    assert!(make_groups(&p)
+    assert!(plan_of(&p)
+        .groups
         .iter()
         .any(|g| g.members.len() > 2 && g.shared >= 17));
     let want = reference(&p);
@@ -373,4 +374,83 @@ fn exp_is_accurate_on_the_softmax_range() {
     }
     assert!(worst < 5e-7, "relative error {worst}");
     assert!(exp::exp_nonpositive(-1000.0) > 0.0);
+}
+
+fn plan_of(p: &Problem<'_, f32>) -> DecodePlan {
+    DecodePlan::new(
+        p.table,
+        p.table_width,
+        p.rows,
+        p.seq_lens,
+        p.dims.num_kv_heads,
+    )
+    .unwrap()
+}
+
+#[test]
+fn one_plan_serves_every_layer_and_checks_each() {
+    let mut rng = Rng(2024);
+    let dims = Dims {
+        num_heads: 4,
+        num_kv_heads: 2,
+        head_dim: 16,
+    };
+    let c = case(&mut rng, 6, 50, dims);
+    let plan = plan_of(&problem(&c));
+    let slot_len = dims.num_kv_heads * dims.head_dim;
+    for layer_seed in 0..3u64 {
+        let mut layer_rng = Rng(77 + layer_seed);
+        let k: Vec<f32> = (0..c.k.len()).map(|_| layer_rng.unit()).collect();
+        let v: Vec<f32> = (0..c.v.len()).map(|_| layer_rng.unit()).collect();
+        let layer = Layer {
+            q: &c.q,
+            k: &k,
+            v: &v,
+            dims,
+            scale: 0.125,
+        };
+        let mut out = vec![0f32; c.q.len()];
+        plan.run(&layer, &mut out, 2).unwrap();
+        let want = reference(&Problem {
+            k: &k,
+            v: &v,
+            ..problem(&c)
+        });
+        assert!(max_abs_diff(&out, &want) < 2e-5);
+    }
+    // a pool too small for the plan's largest slot, or another head layout: errors
+    let largest = (0..plan.num_rows())
+        .flat_map(|i| plan.slots(i))
+        .max()
+        .copied()
+        .unwrap() as usize;
+    let small = vec![0f32; largest * slot_len];
+    let mut out = vec![7f32; c.q.len()];
+    let layer = Layer {
+        q: &c.q,
+        k: &small,
+        v: &small,
+        dims,
+        scale: 1.0,
+    };
+    let e = plan.run(&layer, &mut out, 2).unwrap_err();
+    assert!(e.0.contains("outside the pool"), "{e}");
+    let other = Dims {
+        num_heads: 4,
+        num_kv_heads: 4,
+        head_dim: 8,
+    };
+    let layer = Layer {
+        q: &c.q,
+        k: &c.k,
+        v: &c.v,
+        dims: other,
+        scale: 1.0,
+    };
+    assert!(plan
+        .run(&layer, &mut out, 2)
+        .unwrap_err()
+        .0
+        .contains("head layout"));
+    assert!(out.iter().all(|&x| x == 7.0));
 }

@@ -1,5 +1,5 @@
 //! `sglite._core`: PyO3 bindings of the Rust tree core (radix tree, page allocator, budget)
-//! and of the CPU decode-attention kernel (`decode_attention`).
+//! and of the CPU decode-attention kernel (`DecodePlan`).
 //!
 //! Same classes, methods, results and exceptions as the Python twin in `sglite.core`; bad
 //! arguments raise ValueError, unlock of an unlocked node, free-group misuse and broken
@@ -29,6 +29,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<allocator::PyPageAllocator>()?;
     m.add_class::<budget::PyPrefillBudget>()?;
     m.add_class::<budget::PyAddReqResult>()?;
-    m.add_function(wrap_pyfunction!(attn::decode_attention, m)?)?;
+    m.add_class::<attn::PyDecodePlan>()?;
     Ok(())
 }

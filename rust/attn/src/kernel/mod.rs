@@ -7,7 +7,7 @@
 //! are prefetched (a row's slots are scattered over the pool, which the hardware prefetcher
 //! cannot follow; without it a decode step at 16 x 1,150 tokens took 2x longer).
 
-use crate::{exp, Dims, Elem, Problem};
+use crate::{exp, DecodePlan, Dims, Elem, Layer};
 
 #[cfg(target_arch = "x86_64")]
 mod x86;
@@ -30,10 +30,11 @@ impl<T> Copy for OutPtr<T> {}
 unsafe impl<T: Send> Send for OutPtr<T> {}
 unsafe impl<T: Send> Sync for OutPtr<T> {}
 
-/// SAFETY: `out` holds the output of every task of `p`; no other thread writes these tasks.
+/// SAFETY: `plan.run` checked `p` and `out` against the plan; no other thread writes these
+/// tasks.
 pub(crate) unsafe fn run_tasks<T: Elem>(
-    p: &Problem<'_, T>,
-    groups: &[Group],
+    plan: &DecodePlan,
+    p: &Layer<'_, T>,
     tasks: &[Task],
     out: OutPtr<T>,
 ) {
@@ -41,47 +42,42 @@ pub(crate) unsafe fn run_tasks<T: Elem>(
     {
         if std::arch::is_x86_feature_detected!("avx512f") {
             // SAFETY: the CPU has AVX-512F (checked just above).
-            return run_avx512(p, groups, tasks, out);
+            return run_avx512(plan, p, tasks, out);
         }
         if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
         {
             // SAFETY: the CPU has AVX2 and FMA (checked just above).
-            return run_avx2(p, groups, tasks, out);
+            return run_avx2(plan, p, tasks, out);
         }
     }
-    dispatch_dim(p, groups, tasks, out, Portable)
+    dispatch_dim(plan, p, tasks, out, Portable)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn run_avx512<T: Elem>(
-    p: &Problem<'_, T>,
-    groups: &[Group],
-    tasks: &[Task],
-    out: OutPtr<T>,
-) {
-    dispatch_dim(p, groups, tasks, out, x86::Avx512)
+unsafe fn run_avx512<T: Elem>(plan: &DecodePlan, p: &Layer<'_, T>, tasks: &[Task], out: OutPtr<T>) {
+    dispatch_dim(plan, p, tasks, out, x86::Avx512)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn run_avx2<T: Elem>(p: &Problem<'_, T>, groups: &[Group], tasks: &[Task], out: OutPtr<T>) {
-    dispatch_dim(p, groups, tasks, out, x86::Avx2)
+unsafe fn run_avx2<T: Elem>(plan: &DecodePlan, p: &Layer<'_, T>, tasks: &[Task], out: OutPtr<T>) {
+    dispatch_dim(plan, p, tasks, out, x86::Avx2)
 }
 
 /// SAFETY: as `run_tasks`, and the CPU has the features `isa` needs.
 #[inline(always)]
 unsafe fn dispatch_dim<T: Elem, I: Isa>(
-    p: &Problem<'_, T>,
-    groups: &[Group],
+    plan: &DecodePlan,
+    p: &Layer<'_, T>,
     tasks: &[Task],
     out: OutPtr<T>,
     isa: I,
 ) {
     match p.dims.head_dim {
-        64 => run_body(p, groups, tasks, out, Fixed::<64>, isa),
-        128 => run_body(p, groups, tasks, out, Fixed::<128>, isa),
-        d => run_body(p, groups, tasks, out, Any(d), isa),
+        64 => run_body(plan, p, tasks, out, Fixed::<64>, isa),
+        128 => run_body(plan, p, tasks, out, Fixed::<128>, isa),
+        d => run_body(plan, p, tasks, out, Any(d), isa),
     }
 }
 
@@ -243,8 +239,8 @@ fn row_ptrs<T>(
 /// SAFETY: as `run_tasks`, and the CPU has the features `isa` needs.
 #[inline(always)]
 unsafe fn run_body<T: Elem, H: HeadDim, I: Isa>(
-    p: &Problem<'_, T>,
-    groups: &[Group],
+    plan: &DecodePlan,
+    p: &Layer<'_, T>,
     tasks: &[Task],
     out: OutPtr<T>,
     dim: H,
@@ -264,19 +260,15 @@ unsafe fn run_body<T: Elem, H: HeadDim, I: Isa>(
     let mut scores: Vec<f32> = Vec::new();
     let mut offsets: Vec<usize> = Vec::new();
     let mut ptrs = [std::ptr::null::<T>(); BLOCK];
-    let slots_of = |i: usize| -> &[i32] {
-        let start = p.rows[i] as usize * p.table_width;
-        &p.table[start..start + p.seq_lens[i] as usize]
-    };
     for task in tasks {
-        let Group { members, shared } = &groups[task.group as usize];
+        let Group { members, shared } = &plan.groups[task.group as usize];
         let (h, shared) = (task.head as usize, *shared);
-        let lead = slots_of(members[0]);
-        let plan = Plan {
+        let lead = plan.slots(members[0]);
+        let walk = Walk {
             lead,
             shared,
             members,
-            slots_of: &slots_of,
+            plan,
             kv_heads: num_kv_heads,
             d,
         };
@@ -288,14 +280,14 @@ unsafe fn run_body<T: Elem, H: HeadDim, I: Isa>(
             let at = (i * num_kv_heads + h) * task_len;
             q.extend(p.q[at..at + task_len].iter().map(|x| x.to_f32() * p.scale));
             offsets.push(total);
-            total += per_kv * p.seq_lens[i] as usize;
+            total += per_kv * plan.slots(i).len();
         }
         scores.clear();
         scores.resize(total, 0.0);
         // scores: each block of the shared prefix once for all members, then each member's own
-        for_each_block(p.k, h, &plan, &mut ptrs, |members_in, block, end, keys| {
+        for_each_block(p.k, h, &walk, &mut ptrs, |members_in, block, end, keys| {
             for m in members_in {
-                let len = p.seq_lens[members[m]] as usize;
+                let len = plan.slots(members[m]).len();
                 for j in 0..per_kv {
                     let qj = &q[(m * per_kv + j) * d..][..d];
                     let row = &mut scores[offsets[m] + j * len..][..len];
@@ -305,7 +297,7 @@ unsafe fn run_body<T: Elem, H: HeadDim, I: Isa>(
         });
         sums.clear();
         for (m, &i) in members.iter().enumerate() {
-            let len = p.seq_lens[i] as usize;
+            let len = plan.slots(i).len();
             for j in 0..per_kv {
                 sums.push(exp::softmax_numerators(
                     &mut scores[offsets[m] + j * len..][..len],
@@ -317,11 +309,11 @@ unsafe fn run_body<T: Elem, H: HeadDim, I: Isa>(
         for_each_block(
             p.v,
             h,
-            &plan,
+            &walk,
             &mut ptrs,
             |members_in, block, end, values| {
                 for m in members_in {
-                    let len = p.seq_lens[members[m]] as usize;
+                    let len = plan.slots(members[m]).len();
                     for j in 0..per_kv {
                         let acc_j = &mut acc[(m * per_kv + j) * d..][..d];
                         let row = &scores[offsets[m] + j * len..][..len];
@@ -350,11 +342,11 @@ unsafe fn run_body<T: Elem, H: HeadDim, I: Isa>(
 
 /// The keys a group reads: positions `0..shared` of `lead` for all members at once, then
 /// each member's own `shared..len`.
-struct Plan<'a, F> {
+struct Walk<'a> {
     lead: &'a [i32],
     shared: usize,
     members: &'a [usize],
-    slots_of: &'a F,
+    plan: &'a DecodePlan,
     kv_heads: usize,
     d: usize,
 }
@@ -362,21 +354,20 @@ struct Plan<'a, F> {
 /// Calls `visit(members, from, to, rows)` for each block of keys of `plan` with the addresses
 /// of their rows of head `h` in `buf` (K or V); prefetches the next block first.
 #[inline(always)]
-fn for_each_block<'a, T, F, V>(
+fn for_each_block<T, V>(
     buf: &[T],
     h: usize,
-    plan: &Plan<'a, F>,
+    walk: &Walk<'_>,
     ptrs: &mut [*const T; BLOCK],
     mut visit: V,
 ) where
-    F: Fn(usize) -> &'a [i32],
     V: FnMut(std::ops::Range<usize>, usize, usize, &[*const T]),
 {
-    let (kv_heads, d) = (plan.kv_heads, plan.d);
-    let common = (plan.shared > 0).then_some((0..plan.members.len(), plan.lead, 0, plan.shared));
-    let own = plan.members.iter().enumerate().map(|(m, &i)| {
-        let slots = (plan.slots_of)(i);
-        (m..m + 1, slots, plan.shared, slots.len())
+    let (kv_heads, d) = (walk.kv_heads, walk.d);
+    let common = (walk.shared > 0).then_some((0..walk.members.len(), walk.lead, 0, walk.shared));
+    let own = walk.members.iter().enumerate().map(|(m, &i)| {
+        let slots = walk.plan.slots(i);
+        (m..m + 1, slots, walk.shared, slots.len())
     });
     for (members, slots, from, to) in common.into_iter().chain(own) {
         for block in (from..to).step_by(BLOCK) {
