@@ -45,7 +45,10 @@ class _Segment:
 
     start: int
     length: int
-    kv_slots: torch.Tensor | None  # [seq_len] int64; None: this step's K/V are all it sees
+    # pool slots of the keys it reads (None: this step's K/V are all it sees). torch_native:
+    # the whole sequence, with `mask`; the cpu backend: the cached prefix only (the new
+    # tokens' K/V come from this step's tensors) and no mask.
+    kv_slots: torch.Tensor | None
     mask: torch.Tensor | None  # [length, seq_len] bool (key j <= prefix + i)
 
 

@@ -93,9 +93,7 @@ pub(crate) trait Isa: Copy {
     /// SAFETY: as `dot`, and every pointer addresses `d` readable elements.
     #[inline(always)]
     unsafe fn scores<T: Elem>(self, q: &[f32], keys: &[*const T], out: &mut [f32], d: usize) {
-        for (o, &key) in out.iter_mut().zip(keys) {
-            *o = self.dot(q, std::slice::from_raw_parts(key, d), d);
-        }
+        scores_by_dot(self, q, keys, out, d)
     }
 
     /// `acc += sum_t weights[t] * values[t]` over a block of value rows.
@@ -108,9 +106,35 @@ pub(crate) trait Isa: Copy {
         values: &[*const T],
         d: usize,
     ) {
-        for (&w, &value) in weights.iter().zip(values) {
-            self.axpy(acc, w, std::slice::from_raw_parts(value, d), d);
-        }
+        weighted_sum_by_axpy(self, acc, weights, values, d)
+    }
+}
+
+/// `Isa::scores` one dot product at a time. SAFETY: as `Isa::scores`.
+#[inline(always)]
+unsafe fn scores_by_dot<T: Elem, I: Isa>(
+    isa: I,
+    q: &[f32],
+    keys: &[*const T],
+    out: &mut [f32],
+    d: usize,
+) {
+    for (o, &key) in out.iter_mut().zip(keys) {
+        *o = isa.dot(q, std::slice::from_raw_parts(key, d), d);
+    }
+}
+
+/// `Isa::weighted_sum` one row at a time. SAFETY: as `Isa::weighted_sum`.
+#[inline(always)]
+unsafe fn weighted_sum_by_axpy<T: Elem, I: Isa>(
+    isa: I,
+    acc: &mut [f32],
+    weights: &[f32],
+    values: &[*const T],
+    d: usize,
+) {
+    for (&w, &value) in weights.iter().zip(values) {
+        isa.axpy(acc, w, std::slice::from_raw_parts(value, d), d);
     }
 }
 

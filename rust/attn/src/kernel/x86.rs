@@ -3,7 +3,7 @@
 
 use std::arch::x86_64::*;
 
-use super::{axpy, dot, Isa};
+use super::{axpy, dot, scores_by_dot, weighted_sum_by_axpy, Isa};
 use crate::Elem;
 
 #[derive(Clone, Copy)]
@@ -32,10 +32,7 @@ impl Isa for Avx512 {
     #[inline(always)]
     unsafe fn scores<T: Elem>(self, q: &[f32], keys: &[*const T], out: &mut [f32], d: usize) {
         if keys.len() != 16 || !d.is_multiple_of(16) || out.len() < 16 {
-            for (o, &key) in out.iter_mut().zip(keys) {
-                *o = self.dot(q, std::slice::from_raw_parts(key, d), d);
-            }
-            return;
+            return scores_by_dot(self, q, keys, out, d);
         }
         scores16(q[..d].as_ptr(), keys, out.as_mut_ptr(), d)
     }
@@ -48,10 +45,7 @@ impl Isa for Avx512 {
         d: usize,
     ) {
         if !d.is_multiple_of(16) {
-            for (&w, &value) in weights.iter().zip(values) {
-                self.axpy(acc, w, std::slice::from_raw_parts(value, d), d);
-            }
-            return;
+            return weighted_sum_by_axpy(self, acc, weights, values, d);
         }
         let n = weights.len().min(values.len());
         weighted_sum512(acc[..d].as_mut_ptr(), &weights[..n], &values[..n], d)
