@@ -3,7 +3,7 @@
 
 use std::arch::x86_64::*;
 
-use super::{axpy, dot, scores_by_dot, weighted_sum_by_axpy, Isa};
+use super::isa::{axpy, dot, scores_by_dot, weighted_sum_by_axpy, Isa};
 use crate::Elem;
 
 #[derive(Clone, Copy)]
