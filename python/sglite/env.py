@@ -13,7 +13,7 @@ It also holds the OpenMP settings the model's process starts with unless the use
 
 | variable        | default | why                                                        |
 |-----------------|---------|------------------------------------------------------------|
-| GOMP_SPINCOUNT  | 20000   | torch's OpenMP workers otherwise spin ~0.3M iterations after each op, holding the core the native attention kernel's second thread needs (decode step 124 -> 87 ms, bs 32, 256 tokens, 2 cores) |
+| GOMP_SPINCOUNT  | 20000   | torch's OpenMP workers otherwise spin ~0.3M iterations after each op, holding cores that other threads and the server's other processes need (decode step 124 -> 87 ms, bs 32, 256 tokens, 2 cores, when the native attention kernel still started threads of its own; it now runs on torch's team, where 20000 and 200000 measure the same) |
 """
 
 from __future__ import annotations

@@ -5,11 +5,22 @@ to the slots `table[rows[i], :seq_lens[i]]`, GQA query head h to KV head
 `h // (num_heads // num_kv_heads)`. A forward pass plans its rows once (`DecodeRows`) and
 attends in every layer; this module checks the layout contract (CPU, dtype, shape,
 contiguity), keeps the tensors alive for each call and returns the output.
+
+Threads: the kernel's parallel work runs on torch's own OpenMP team (`share_torch_openmp`),
+whose workers are still spinning from the last torch op; threads of its own would wait for
+them to give up the cores.
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import logging
+import os
+
 import torch
+
+logger = logging.getLogger(__name__)
 
 _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 
@@ -23,6 +34,31 @@ def unavailable_reason() -> str | None:
     if not hasattr(_core, "DecodePlan"):
         return "the native module sglite._core is older than this package; reinstall it"
     return None
+
+
+@functools.cache
+def share_torch_openmp() -> bool:
+    """Point the kernel at the `GOMP_parallel` of the OpenMP runtime torch loaded (once per
+    process); False, and threads of the kernel's own, where torch does not run on OpenMP or
+    the runtime is not found."""
+    from sglite import _core
+
+    if "parallel backend: OpenMP" not in torch.__config__.parallel_info():
+        return False
+    with open("/proc/self/maps") as maps:
+        paths = {fields[5] for fields in map(str.split, maps) if len(fields) >= 6}
+    names = ("libgomp", "libiomp", "libomp")
+    for path in sorted(p for p in paths if os.path.basename(p).startswith(names)):
+        try:
+            runtime = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+            address = ctypes.cast(runtime.GOMP_parallel, ctypes.c_void_p).value
+        except (OSError, AttributeError):
+            continue
+        if address:
+            _core.set_openmp_parallel(address)
+            logger.debug("decode attention runs on the OpenMP team of %s", path)
+            return True
+    return False
 
 
 def supports_dtype(dtype: torch.dtype) -> bool:
@@ -55,6 +91,7 @@ class DecodeRows:
                 f"{tuple(seq_lens.shape)} must both be [n]"
             )
         _check_cpu_contiguous(table, rows, seq_lens)
+        share_torch_openmp()
         self.num_rows = rows.shape[0]
         self.plan = _core.DecodePlan(
             _raw(table), table.shape[1], _raw(rows), _raw(seq_lens), num_kv_heads

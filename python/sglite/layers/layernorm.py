@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sglite.layers import cpu_ops
+
 
 class RMSNorm(nn.Module):
     """`x / rms(x) * weight`, computed in float32 like transformers, cast back before the weight."""
@@ -34,7 +36,11 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Without `residual`: norm(x). With it: (norm(x + residual), x + residual)."""
+        """Without `residual`: norm(x). With it: (norm(x + residual), x + residual); on the
+        CPU the sum may be written into `residual` itself (callers pass a temporary)."""
+        out = cpu_ops.rms_norm(x, self.weight, self.eps, residual)
+        if out is not None:
+            return out if residual is None else (out, residual)
         if residual is None:
             return self._norm(x)
         x = x + residual

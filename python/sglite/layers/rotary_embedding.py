@@ -13,6 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from sglite.layers import cpu_ops
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -77,6 +79,9 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate q `[T, Hq, D]` and k `[T, Hkv, D]` at `positions` `[T]`; returns new tensors."""
+        rotated = cpu_ops.rope(positions, q, k, self.cos_sin)
+        if rotated is not None:
+            return rotated
         cos_sin = self.cos_sin.index_select(0, positions).unsqueeze(1)
         cos, sin = cos_sin.split(self.head_dim, dim=-1)
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)

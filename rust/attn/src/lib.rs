@@ -15,11 +15,13 @@
 //! heads against every key, a softmax (its exp is a polynomial that vectorizes), then the
 //! weighted sum of the values. Rows that share a cached prefix form a group: each block of
 //! the prefix's keys is read once and used by every member, while it is in L1. Tasks (a group
-//! and a KV head) are cut into ranges of about equal key count, one per thread. The loops are compiled for AVX-512, for AVX2+FMA and for the baseline, and
+//! and a KV head) are cut into ranges of about equal key count, one per thread (`pool`). The loops are compiled for AVX-512, for AVX2+FMA and for the baseline, and
 //! the best the CPU has is chosen at run time.
 
 mod exp;
 mod kernel;
+pub mod ops;
+pub mod pool;
 
 use std::fmt;
 
@@ -251,16 +253,12 @@ impl DecodePlan {
         };
         let cuts = split_tasks(&self.costs, threads);
         let out = kernel::OutPtr(out.as_mut_ptr());
-        std::thread::scope(|scope| {
-            for range in cuts.windows(2).skip(1) {
-                let mine = &self.tasks[range[0]..range[1]];
-                // SAFETY: `check` made sure `out` holds every row's output and every slot is
-                // in the pool; each (row, KV head) is in exactly one task, so no two threads
-                // write the same element.
-                scope.spawn(move || unsafe { kernel::run_tasks(self, layer, mine, out) });
-            }
-            // SAFETY: as above.
-            unsafe { kernel::run_tasks(self, layer, &self.tasks[cuts[0]..cuts[1]], out) };
+        pool::for_each(cuts.len() - 1, threads, &|i| {
+            let mine = &self.tasks[cuts[i]..cuts[i + 1]];
+            // SAFETY: `check` made sure `out` holds every row's output and every slot is in
+            // the pool; each (row, KV head) is in exactly one task and each range is run
+            // once, so no two threads write the same element.
+            unsafe { kernel::run_tasks(self, layer, mine, out) }
         });
         Ok(())
     }

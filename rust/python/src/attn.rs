@@ -13,13 +13,13 @@ use pyo3::prelude::*;
 use crate::convert::value_error;
 
 /// A tensor's storage as the kernel sees it: address and element count.
-struct Raw {
+pub(crate) struct Raw {
     addr: usize,
     len: usize,
 }
 
 impl Raw {
-    fn new(name: &str, (addr, len): (usize, usize), align: usize) -> PyResult<Self> {
+    pub(crate) fn new(name: &str, (addr, len): (usize, usize), align: usize) -> PyResult<Self> {
         if len > 0 && (addr == 0 || !addr.is_multiple_of(align)) {
             return Err(value_error(format!(
                 "{name}: address {addr:#x} is null or misaligned"
@@ -29,7 +29,7 @@ impl Raw {
     }
 
     /// SAFETY: the caller guarantees `len` live elements of `T` at `addr` for the lifetime.
-    unsafe fn slice<'a, T>(&self) -> &'a [T] {
+    pub(crate) unsafe fn slice<'a, T>(&self) -> &'a [T] {
         if self.len == 0 {
             &[]
         } else {
@@ -38,7 +38,7 @@ impl Raw {
     }
 
     /// SAFETY: as `slice`, and nothing else reads or writes the memory meanwhile.
-    unsafe fn slice_mut<'a, T>(&self) -> &'a mut [T] {
+    pub(crate) unsafe fn slice_mut<'a, T>(&self) -> &'a mut [T] {
         if self.len == 0 {
             &mut []
         } else {
@@ -156,4 +156,14 @@ unsafe fn run<T: Elem>(
         scale,
     };
     plan.run(&layer, out.slice_mut::<T>(), num_threads)
+}
+
+/// `set_openmp_parallel(address)`: run the kernel's threads on the OpenMP team whose
+/// `GOMP_parallel` is at `address` (see `cpu_attn::pool`); 0 goes back to threads of its own.
+/// The caller (`sglite.attention.cpu_kernel`) passes the function of the runtime torch loaded,
+/// which stays loaded for the life of the process.
+#[pyfunction]
+pub fn set_openmp_parallel(address: usize) {
+    // SAFETY: the caller's contract above.
+    unsafe { cpu_attn::pool::set_openmp_parallel(address) }
 }

@@ -1,5 +1,6 @@
 //! `sglite._core`: PyO3 bindings of the Rust tree core (radix tree, page allocator, budget)
-//! and of the CPU decode-attention kernel (`DecodePlan`).
+//! and of the CPU kernels: decode attention (`DecodePlan`) and the decoder layer's fused
+//! element-wise steps (`rms_norm`, `silu_and_mul`, `rope`).
 //!
 //! Same classes, methods, results and exceptions as the Python twin in `sglite.core`; bad
 //! arguments raise ValueError, unlock of an unlocked node, free-group misuse and broken
@@ -10,6 +11,7 @@ mod allocator;
 mod attn;
 mod budget;
 mod convert;
+mod ops;
 mod tree;
 
 use pyo3::prelude::*;
@@ -30,5 +32,9 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<budget::PyPrefillBudget>()?;
     m.add_class::<budget::PyAddReqResult>()?;
     m.add_class::<attn::PyDecodePlan>()?;
+    m.add_function(wrap_pyfunction!(attn::set_openmp_parallel, m)?)?;
+    m.add_function(wrap_pyfunction!(ops::rms_norm, m)?)?;
+    m.add_function(wrap_pyfunction!(ops::silu_and_mul, m)?)?;
+    m.add_function(wrap_pyfunction!(ops::rope, m)?)?;
     Ok(())
 }

@@ -289,4 +289,5 @@ fn exp_is_accurate_on_the_softmax_range() {
     assert!(exp::exp_nonpositive(-1000.0) > 0.0);
 }
 
+mod ops;
 mod plan;

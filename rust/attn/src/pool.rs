@@ -1,0 +1,94 @@
+//! Where the kernel's second (third, ...) thread comes from.
+//!
+//! torch runs its CPU ops on an OpenMP team whose workers keep spinning for a while after
+//! each op, waiting for the next one. A thread of our own started right after a torch op
+//! finds the other cores held by those spinners and waits for the scheduler: on 2 cores the
+//! kernel then ran on one core, at 1.8 ms a layer instead of 1.0 ms (16 rows x 1150 keys).
+//! So when the host registers its OpenMP runtime's `GOMP_parallel` (`set_openmp_parallel`;
+//! the Python launcher finds the one torch loaded), parallel work runs on that very team,
+//! whose spinning workers pick it up at once. Without it, on scoped threads.
+
+use std::ffi::{c_uint, c_void};
+use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
+
+/// libgomp's `void GOMP_parallel(void (*fn)(void *), void *data, unsigned num_threads,
+/// unsigned flags)`: runs `fn(data)` on every thread of a team of `num_threads` (the caller
+/// included) and returns when all are done.
+type GompParallel = unsafe extern "C" fn(extern "C" fn(*mut c_void), *mut c_void, c_uint, c_uint);
+
+static GOMP_PARALLEL: AtomicUsize = AtomicUsize::new(0);
+
+/// Run parallel work on the OpenMP team of `addr`, the address of `GOMP_parallel` (libgomp's,
+/// or a runtime with its ABI, such as LLVM's or Intel's); 0 goes back to scoped threads.
+///
+/// # Safety
+/// `addr` must be 0 or that function's address in a library that stays loaded.
+pub unsafe fn set_openmp_parallel(addr: usize) {
+    GOMP_PARALLEL.store(addr, Ordering::Release);
+}
+
+/// Whether parallel work runs on a registered OpenMP team.
+pub fn uses_openmp() -> bool {
+    GOMP_PARALLEL.load(Ordering::Acquire) != 0
+}
+
+/// Calls `work(i)` exactly once for each `i` in `0..n`, on at most `threads` threads (this one
+/// included), which take the next index as they finish the last. Returns when all are done;
+/// a panic in `work` is raised again here once every thread has stopped.
+pub fn for_each(n: usize, threads: usize, work: &(dyn Fn(usize) + Sync)) {
+    let threads = threads.min(n);
+    if threads <= 1 {
+        (0..n).for_each(work);
+        return;
+    }
+    let next = AtomicUsize::new(0);
+    let panic = Mutex::new(None);
+    let drain = || {
+        let caught = catch_unwind(AssertUnwindSafe(|| loop {
+            let i = next.fetch_add(1, Ordering::Relaxed);
+            if i >= n {
+                break;
+            }
+            work(i);
+        }));
+        if let Err(payload) = caught {
+            next.store(n, Ordering::Relaxed); // the others stop at their next index
+            panic
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .get_or_insert(payload);
+        }
+    };
+    let addr = GOMP_PARALLEL.load(Ordering::Acquire);
+    if addr == 0 {
+        std::thread::scope(|scope| {
+            for _ in 1..threads {
+                scope.spawn(drain);
+            }
+            drain();
+        });
+    } else {
+        extern "C" fn trampoline(data: *mut c_void) {
+            // SAFETY: `data` is the `&dyn Fn()` below, alive until GOMP_parallel returns; no
+            // panic crosses this frame (`drain` catches them).
+            let drain = unsafe { &*(data as *const &(dyn Fn() + Sync)) };
+            drain();
+        }
+        let drain: &(dyn Fn() + Sync) = &drain;
+        // SAFETY: `set_openmp_parallel`'s contract makes `addr` a live GOMP_parallel.
+        unsafe {
+            let parallel: GompParallel = std::mem::transmute(addr);
+            parallel(
+                trampoline,
+                &drain as *const &(dyn Fn() + Sync) as *mut c_void,
+                threads as c_uint,
+                0,
+            );
+        }
+    }
+    if let Some(payload) = panic.into_inner().unwrap_or_else(|e| e.into_inner()) {
+        resume_unwind(payload);
+    }
+}
