@@ -5,6 +5,8 @@ computes; and a layout the kernels do not take falls back instead of failing."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -23,10 +25,14 @@ DTYPES = st.sampled_from([torch.float32, torch.bfloat16])
 TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 
 
-def _with_threads(n: int):
+@contextlib.contextmanager
+def _threads(n: int):
     before = torch.get_num_threads()
     torch.set_num_threads(n)
-    return before
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 @settings(max_examples=30, deadline=None)
@@ -45,14 +51,11 @@ def test_rms_norm_matches_torch(seed, rows, dim, dtype, with_residual, threads):
     weight = torch.randn(dim, generator=gen).to(dtype)
     summed = x + residual if with_residual else x
     want = F.rms_norm(summed.float(), (dim,), None, 1e-5).to(dtype) * weight
-    before = _with_threads(threads)
-    try:
-        res = residual.clone() if with_residual else None
+    res = residual.clone() if with_residual else None
+    with _threads(threads):
         got = cpu_ops.rms_norm(x, weight, 1e-5, res)
-        if with_residual:
-            assert torch.equal(res, summed), "the residual holds x + residual"
-    finally:
-        torch.set_num_threads(before)
+    if with_residual:
+        assert torch.equal(res, summed), "the residual holds x + residual"
     torch.testing.assert_close(got, want, **TOL[dtype])
 
 
@@ -69,11 +72,8 @@ def test_silu_and_mul_matches_torch(seed, rows, d, dtype, threads):
     # wide range: exp must neither overflow for large negative gates nor lose small ones
     x = (torch.randn(rows, 2 * d, generator=gen) * 20).to(dtype)
     want = F.silu(x[:, :d]) * x[:, d:]
-    before = _with_threads(threads)
-    try:
+    with _threads(threads):
         got = cpu_ops.silu_and_mul(x)
-    finally:
-        torch.set_num_threads(before)
     torch.testing.assert_close(got, want, **TOL[dtype])
 
 
@@ -102,11 +102,8 @@ def test_rope_matches_torch(seed, tokens, heads, head_dim, dtype, fused, threads
     cos_sin = rope.cos_sin.index_select(0, positions).unsqueeze(1)
     cos, sin = cos_sin.split(head_dim, dim=-1)
     want_q, want_k = rope._rotate(q, cos, sin), rope._rotate(k, cos, sin)
-    before = _with_threads(threads)
-    try:
+    with _threads(threads):
         got_q, got_k = cpu_ops.rope(positions, q, k, rope.cos_sin)
-    finally:
-        torch.set_num_threads(before)
     assert got_q.is_contiguous() and got_k.is_contiguous()
     torch.testing.assert_close(got_q, want_q, **TOL[dtype])
     torch.testing.assert_close(got_k, want_k, **TOL[dtype])
