@@ -117,9 +117,15 @@ def test_layers_take_the_native_path_and_agree_with_the_definition():
     summed = x + residual
     want = summed / summed.pow(2).mean(-1, keepdim=True).add(1e-6).sqrt() * norm.weight
     out, new_residual = norm(x, residual)
+    # the native path adds into the caller's residual; torch's would return a new tensor
+    assert new_residual is residual
     torch.testing.assert_close(out, want)
     torch.testing.assert_close(new_residual, summed)
+    rope = RotaryEmbedding(8, 64, 10000.0)
+    q, k = torch.randn(3, 2, 8, generator=gen), torch.randn(3, 1, 8, generator=gen)
+    assert cpu_ops.rope(torch.tensor([0, 5, 63]), q, k, rope.cos_sin) is not None
     gate_up = torch.randn(3, 16, generator=gen)
+    assert cpu_ops.silu_and_mul(gate_up) is not None
     torch.testing.assert_close(
         SiluAndMul()(gate_up), gate_up[:, :8] * torch.sigmoid(gate_up[:, :8]) * gate_up[:, 8:]
     )

@@ -110,7 +110,7 @@ impl fmt::Display for AttnError {
 
 impl std::error::Error for AttnError {}
 
-fn err<T>(msg: String) -> Result<T, AttnError> {
+pub(crate) fn err<T>(msg: String) -> Result<T, AttnError> {
     Err(AttnError(msg))
 }
 

@@ -10,14 +10,10 @@
 //! Rows are split over threads (`pool`) only when there are enough of them to pay for it.
 
 use crate::exp::exp_nonpositive;
-use crate::{pool, AttnError, Elem};
+use crate::{err, pool, AttnError, Elem};
 
 /// Below this many elements a second thread costs more than it saves.
 const MIN_PARALLEL_ELEMS: usize = 1 << 16;
-
-fn err<T>(msg: String) -> Result<T, AttnError> {
-    Err(AttnError(msg))
-}
 
 /// A pointer that may cross to the threads of `pool::for_each`; each thread writes rows no
 /// other touches.

@@ -29,11 +29,6 @@ pub unsafe fn set_openmp_parallel(addr: usize) {
     GOMP_PARALLEL.store(addr, Ordering::Release);
 }
 
-/// Whether parallel work runs on a registered OpenMP team.
-pub fn uses_openmp() -> bool {
-    GOMP_PARALLEL.load(Ordering::Acquire) != 0
-}
-
 /// Calls `work(i)` exactly once for each `i` in `0..n`, on at most `threads` threads (this one
 /// included), which take the next index as they finish the last. Returns when all are done;
 /// a panic in `work` is raised again here once every thread has stopped.
