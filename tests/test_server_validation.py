@@ -99,7 +99,8 @@ BAD = [
         ["max_new_tokens", "KV cache"],
     ),
     ("/generate", {"text": ["a", "b"], "rid": ["x", "x"]}, ["rid"]),
-    ("/generate", {"text": "Hi", "return_logprob": True}, ["return_logprob"]),
+    ("/generate", {"text": "Hi", "return_logprob": "yes"}, ["return_logprob"]),
+    ("/generate", {"text": "Hi", "return_logprob": True, "top_logprobs_num": -1}, ["top_logprobs"]),
     ("/v1/completions", "{", ["malformed JSON"]),
     ("/v1/completions", _cmpl(model="gpt-4"), ["model", "gpt-4", "tiny"]),
     ("/v1/completions", _cmpl(max_tokens=CTX), ["max_tokens", "context length"]),
@@ -109,7 +110,7 @@ BAD = [
     ("/v1/completions", _cmpl(temperature="hot"), ["temperature"]),
     ("/v1/completions", _cmpl(top_p=0), ["top_p"]),
     ("/v1/completions", _cmpl(n=0), ["n "]),
-    ("/v1/completions", _cmpl(logprobs=2), ["logprobs"]),
+    ("/v1/completions", _cmpl(logprobs=99), ["logprobs"]),
     ("/v1/completions", {"prompt": "Hi"}, ["model"]),
     ("/v1/chat/completions", _chat(messages=[]), ["messages"]),
     (

@@ -152,6 +152,7 @@ class DetokenizerManager:
             out.prompt_tokens.append(batch.prompt_tokens[i])
             out.completion_tokens.append(batch.completion_tokens[i])
             out.cached_tokens.append(batch.cached_tokens[i])
+            out.logprobs.append(batch.logprobs[i] if batch.logprobs else None)
         return out
 
     def _step(

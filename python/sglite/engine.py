@@ -92,13 +92,27 @@ class Engine:
         input_ids: list[int] | list[list[int]] | None = None,
         stream: bool = False,
         rid: str | list[str] | None = None,
+        return_logprob: bool | list[bool] = False,
+        logprob_start_len: int | list[int] | None = None,
+        top_logprobs_num: int | list[int] | None = None,
+        token_ids_logprob: list[int] | list[list[int]] | None = None,
+        return_text_in_logprobs: bool = False,
     ) -> Any:
         """Generate for one prompt (a dict) or a list of prompts (a list of dicts).
 
-        With `stream=True`, returns an iterator of cumulative dicts (a batch adds "index")."""
+        With `stream=True`, returns an iterator of cumulative dicts (a batch adds "index").
+        The log-prob arguments are SGLang's; the log-probs come back in `meta_info`
+        (see sglite/server/logprob_format.py)."""
+        logprob = {
+            "return_logprob": return_logprob,
+            "logprob_start_len": logprob_start_len,
+            "top_logprobs_num": top_logprobs_num,
+            "token_ids_logprob": token_ids_logprob,
+            "return_text_in_logprobs": return_text_in_logprobs,
+        }
         if stream:
-            return self.generate_stream(prompt, sampling_params, input_ids, rid=rid)
-        return self._call(self._generate(prompt, sampling_params, input_ids, rid))
+            return self.generate_stream(prompt, sampling_params, input_ids, rid=rid, **logprob)
+        return self._call(self._generate(prompt, sampling_params, input_ids, rid, logprob))
 
     def generate_stream(
         self,
@@ -106,11 +120,15 @@ class Engine:
         sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None,
         input_ids: list[int] | list[list[int]] | None = None,
         rid: str | list[str] | None = None,
+        **logprob: Any,
     ) -> Iterator[dict[str, Any]]:
-        """Iterate over partial results as they arrive; the last one per prompt is final."""
+        """Iterate over partial results as they arrive; the last one per prompt is final.
+        `logprob`: the log-prob keyword arguments of `generate`."""
         self._check_open()
         items: queue.Queue = queue.Queue()
-        prompts, is_batch = self._call(self._prepare(prompt, sampling_params, input_ids, rid))
+        prompts, is_batch = self._call(
+            self._prepare(prompt, sampling_params, input_ids, rid, logprob)
+        )
 
         async def pump() -> None:
             try:
@@ -164,12 +182,18 @@ class Engine:
     def _call(self, coro: Any) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
-    async def _prepare(self, prompt: Any, sampling_params: Any, input_ids: Any, rid: Any) -> Any:
-        return self.tm.inputs.prepare_generate(prompt, input_ids, sampling_params, rid)
+    async def _prepare(
+        self, prompt: Any, sampling_params: Any, input_ids: Any, rid: Any, logprob: Any
+    ) -> Any:
+        return self.tm.inputs.prepare_generate(prompt, input_ids, sampling_params, rid, logprob)
 
-    async def _generate(self, prompt: Any, sampling_params: Any, input_ids: Any, rid: Any) -> Any:
+    async def _generate(
+        self, prompt: Any, sampling_params: Any, input_ids: Any, rid: Any, logprob: Any
+    ) -> Any:
         self._check_open()
-        prompts, is_batch = self.tm.inputs.prepare_generate(prompt, input_ids, sampling_params, rid)
+        prompts, is_batch = self.tm.inputs.prepare_generate(
+            prompt, input_ids, sampling_params, rid, logprob
+        )
         outputs = await self.tm.collect(prompts)
         self._check_open()
         return outputs if is_batch else outputs[0]

@@ -16,6 +16,7 @@ import pickle
 from dataclasses import dataclass, field
 from typing import Any
 
+from sglite.logprobs import LogprobOptions, TokenLogprob
 from sglite.sampling_params import SamplingParams
 
 
@@ -29,6 +30,15 @@ class GenerateReq:
     stream: bool = False
     extra_key: str | None = None
     input_text: str | None = None
+    logprob: LogprobOptions | None = None  # return_logprob: what to compute
+
+
+@dataclass
+class LogprobDelta:
+    """A request's log-prob entries not sent before: prompt positions, then output tokens."""
+
+    input: list[TokenLogprob]
+    output: list[TokenLogprob]
 
 
 @dataclass
@@ -87,6 +97,7 @@ class BatchTokenOutput:
     # a request's stop strings, in its first output only: the detokenizer holds back any
     # streamed tail that could still become one of them
     stop_strs: list[list[str]] = field(default_factory=list)
+    logprobs: list[LogprobDelta | None] = field(default_factory=list)
 
 
 @dataclass
@@ -100,6 +111,7 @@ class BatchTextOutput:
     prompt_tokens: list[int]
     completion_tokens: list[int]
     cached_tokens: list[int]
+    logprobs: list[LogprobDelta | None] = field(default_factory=list)
 
 
 @dataclass

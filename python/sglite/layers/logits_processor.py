@@ -14,12 +14,15 @@ if TYPE_CHECKING:
 
 class LogitsProcessor(nn.Module):
     """Extend batches keep the last token of each request (or all of them with
-    `batch.return_all_logits`); decode batches have exactly one token per request."""
+    `batch.return_all_logits`, or the rows `batch.logits_index` names: prompt log-probs);
+    decode batches have exactly one token per request."""
 
     def forward(
         self, hidden: torch.Tensor, lm_head: ParallelLMHead, batch: ForwardBatch
     ) -> torch.Tensor:
-        if batch.forward_mode.is_extend() and not batch.return_all_logits:
+        if batch.logits_index is not None:
+            hidden = hidden.index_select(0, batch.logits_index)
+        elif batch.forward_mode.is_extend() and not batch.return_all_logits:
             lens = batch.extend_seq_lens_cpu
             if len(lens) != hidden.shape[0] or max(lens) != 1:
                 # on the device already: no blocking host-to-device copy in the forward

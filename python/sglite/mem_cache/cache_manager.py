@@ -1,10 +1,11 @@
 """CacheManager: glue between the radix tree, the page allocator and the request-to-slot table.
 
 Contract (who locks, who frees; see scheduler/req.py for the ownership of a row):
-- `match(req)`: match the request's fill ids, capped at fill_len - 1 so one token is always
-  computed; records match_len/match_node/match_slots on the request, locks nothing. The tree
-  changes only through this class (insert, evict, reset), each change bumps `version`, and a
-  request whose match is as recent as the tree is not matched again.
+- `match(req)`: match the request's fill ids up to `req.match_limit` (one token is always
+  computed, more for prompt log-probs); records match_len/match_node/match_slots on the
+  request, locks nothing. The tree changes only through this class (insert, evict, reset),
+  each change bumps `version`, and a request whose match is as recent as the tree is not
+  matched again.
 - Admission locks `req.match_node` (the PrefillAdder does it while charging the candidate);
   `alloc_extend(entries)` then gives each request a row (if it has none), writes the matched
   prefix into the row and allocates the new positions page-continuing, evicting from the tree
@@ -44,13 +45,13 @@ class CacheManager:
 
     # ---------------------------------------------------------------- matching
     def match(self, req: Req) -> int:
-        if req.match_version == (self.version, req.fill_len):
+        if req.match_version == (self.version, req.match_limit):
             return req.match_len
-        req.match_version = (self.version, req.fill_len)
+        req.match_version = (self.version, req.match_limit)
         if not self.enabled:
             req.match_len, req.match_node, req.match_slots = 0, 0, None
             return 0
-        slots, node = self.tree.match_prefix(req.fill_slice(0, req.fill_len - 1), req.extra_key)
+        slots, node = self.tree.match_prefix(req.fill_slice(0, req.match_limit), req.extra_key)
         req.match_len, req.match_node, req.match_slots = len(slots), node, slots
         return len(slots)
 

@@ -76,6 +76,9 @@ class ForwardBatch:
     extend_seq_lens_cpu: list[int] | None = None
     # Logits of every input token ([T, vocab]) instead of the last one per request.
     return_all_logits: bool = False
+    # Or logits of these rows of the hidden states only (set by the model worker when a
+    # request asks for prompt log-probs: see sglite/logprobs.py).
+    logits_index: torch.Tensor | None = None
     attn_backend: AttentionBackend | None = None
 
     @property

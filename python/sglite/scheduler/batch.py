@@ -16,6 +16,7 @@ from enum import StrEnum
 
 import numpy as np
 
+from sglite.logprobs import RowLogprobSpec
 from sglite.sampling_params import SamplingParams
 from sglite.scheduler.req import Req
 
@@ -43,6 +44,8 @@ class ForwardInput:
     # penalty context, only for rows that use penalties (else None): prompt and output ids
     penalty_tokens: list[tuple[list[int], list[int]] | None]
     table_rows: np.ndarray | None = None  # row contents to copy when the table is mirrored
+    # per row, the log-probs to compute (None: none); empty when no row asks
+    logprob_specs: list[RowLogprobSpec | None] = field(default_factory=list)
 
     @property
     def batch_size(self) -> int:
@@ -96,11 +99,14 @@ class ScheduleBatch:
         n = len(reqs)
         rows, prompt_lens, params, rids = [0] * n, [0] * n, [None] * n, [""] * n
         penalty: list = [None] * n
+        specs: list[RowLogprobSpec | None] = [None] * n
         for i, req in enumerate(reqs):
             sp = req.sampling_params
             rows[i], prompt_lens[i], params[i], rids[i] = req.row, len(req.input_ids), sp, req.rid
             if sp.frequency_penalty or sp.presence_penalty or sp.repetition_penalty != 1.0:
                 penalty[i] = (req.input_ids, list(req.output_ids))
+            if req.logprob is not None:
+                specs[i] = self._logprob_spec(i)
         return ForwardInput(
             mode=self.mode,
             rids=rids,
@@ -113,6 +119,26 @@ class ScheduleBatch:
             sampling_params=params,
             future_slots=self.future_slots,
             penalty_tokens=penalty,
+            logprob_specs=specs if any(s is not None for s in specs) else [],
+        )
+
+    def _logprob_spec(self, i: int) -> RowLogprobSpec:
+        """Row i's share of its request's log-probs: the sampled token's (when the row
+        samples), and the prompt positions of this chunk still waiting for theirs (prompt
+        token p's log-prob is read at the logits of position p - 1)."""
+        req, start, end = self.reqs[i], self.starts[i], self.ends[i]
+        opts = req.logprob
+        first = max(req.input_logprob_next - 1, start)
+        last = min(end, len(req.input_ids) - 1)  # exclusive: position of the prompt's last token
+        targets = None
+        if not self.is_decode[i] and last > first:
+            targets = req.fill_slice(first + 1, last + 1)
+        return RowLogprobSpec(
+            opts.top_logprobs_num,
+            opts.token_ids_logprob,
+            self.sample_mask[i],
+            first,
+            targets,
         )
 
     def input_ids(self, future_of: dict[int, int]) -> np.ndarray:

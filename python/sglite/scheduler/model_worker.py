@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from sglite.logprobs import RowLogprobs, RowLogprobSpec, compute_logprobs, logits_rows
 from sglite.model_executor.forward_batch import ForwardBatch
 from sglite.model_executor.sampler import SamplingBatchInfo
 from sglite.scheduler.batch import ForwardInput, Mode
@@ -44,6 +45,8 @@ class Prepared:
     info: SamplingBatchInfo
     table_rows: torch.Tensor | None = None  # [n, width] contents of the request rows
     rows: torch.Tensor | None = None  # [n] the rows they go to
+    logprob_specs: list[RowLogprobSpec | None] | None = None
+    logprobs: list[RowLogprobs | None] | None = None  # set by forward_sample
 
 
 class ModelWorker(Worker):
@@ -54,7 +57,12 @@ class ModelWorker(Worker):
         torch.manual_seed(seed)  # requests without a seed draw from torch's RNG
 
     def run(self, fi: ForwardInput) -> np.ndarray:
-        return self.forward_sample(self.prepare(fi)).cpu().numpy()
+        return self.run_step(fi)[0]
+
+    def run_step(self, fi: ForwardInput) -> tuple[np.ndarray, list | None]:
+        p = self.prepare(fi)
+        tokens = self.forward_sample(p).cpu().numpy()
+        return tokens, p.logprobs
 
     def future_map(self, size: int) -> FutureMap:
         if self.runner.device.type == "cuda":
@@ -95,6 +103,11 @@ class ModelWorker(Worker):
             eos_token_ids=self.eos_token_ids,
         )
         prepared = Prepared(batch, info)
+        if fi.logprob_specs:
+            prepared.logprob_specs = fi.logprob_specs
+            rows = logits_rows(fi.logprob_specs, fi.prefix_lens, fi.seq_lens)
+            if rows is not None:
+                batch.logits_index = torch.from_numpy(rows).to(r.device)
         if fi.table_rows is not None:  # the scheduler's host table is mirrored on the device
             prepared.table_rows = torch.from_numpy(fi.table_rows).to(r.device)
             prepared.rows = torch.from_numpy(fi.rows).to(r.device)
@@ -106,27 +119,39 @@ class ModelWorker(Worker):
             table = self.runner.req_to_token_pool.req_to_token
             table[p.rows, : p.table_rows.shape[1]] = p.table_rows
         logits = self.runner.forward(p.batch)
-        return self.runner.sample(logits, p.info)
+        if p.logprob_specs is None:
+            return self.runner.sample(logits, p.info)
+        # the sampler may mask its logits in place: log-probs read the raw ones
+        bs = len(p.logprob_specs)
+        tokens = self.runner.sample(logits[:bs].clone(), p.info)
+        with torch.inference_mode():
+            p.logprobs = compute_logprobs(logits, tokens, p.logprob_specs)
+        return tokens
 
 
 class DeviceTokens:
     """Tokens on their way to pinned host memory; `wait()` blocks on the batch's event."""
 
-    def __init__(self, host: torch.Tensor, done: torch.cuda.Event | None, keepalive: tuple):
+    def __init__(
+        self, host: torch.Tensor, done: torch.cuda.Event | None, keepalive: tuple, logprobs=None
+    ):
         self.host = host
         self.done = done
         self.keepalive: tuple | None = keepalive
+        self.logprobs = logprobs  # computed on the host already (a batch that asked waited)
 
     @classmethod
-    def copy_to_host(cls, tokens: torch.Tensor, stream, keepalive: tuple) -> DeviceTokens:
+    def copy_to_host(
+        cls, tokens: torch.Tensor, stream, keepalive: tuple, logprobs=None
+    ) -> DeviceTokens:
         """Start the copy on `stream` (the current one), without blocking."""
         if stream is None:  # CPU (tests): the tokens are on the host already
-            return cls(tokens.clone(), None, keepalive)
+            return cls(tokens.clone(), None, keepalive, logprobs)
         host = torch.empty(tokens.shape, dtype=torch.int64, pin_memory=True)
         host.copy_(tokens, non_blocking=True)
         done = torch.cuda.Event()
         done.record(stream)
-        return cls(host, done, keepalive)
+        return cls(host, done, keepalive, logprobs)
 
     def wait(self) -> np.ndarray:
         if self.done is not None:
@@ -168,4 +193,5 @@ class DeviceFutureMap(FutureMap):
                 tokens = worker.forward_sample(p)
                 self.tokens[future_slots] = tokens
                 # Keep alive what prepare staged on the default stream: the forward reads it.
-                return DeviceTokens.copy_to_host(tokens, self.stream, (p, staged_ids, future_slots))
+                keep = (p, staged_ids, future_slots)
+                return DeviceTokens.copy_to_host(tokens, self.stream, keep, p.logprobs)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from sglite.messages import BatchTokenOutput
+from sglite.messages import BatchTokenOutput, LogprobDelta
 from sglite.scheduler.req import Req
 
 CONTEXT_TOKENS = 5  # prompt tokens sent once as detokenization context
@@ -48,6 +48,17 @@ class OutputStreamer:
         out.skip_special_tokens.append(req.sampling_params.skip_special_tokens)
         out.no_stop_trim.append(req.sampling_params.no_stop_trim)
         out.stop_strs.append([] if req.first_output_sent else list(req.sampling_params.stop_strs))
+        out.logprobs.append(_logprob_delta(req) if req.logprob is not None else None)
         req.sent_len = len(req.output_ids)
         req.first_output_sent = True
         req.finish_sent = reason is not None
+
+
+def _logprob_delta(req: Req) -> LogprobDelta:
+    delta = LogprobDelta(
+        req.input_logprobs[req.sent_input_logprobs :],
+        req.output_logprobs[req.sent_output_logprobs :],
+    )
+    req.sent_input_logprobs = len(req.input_logprobs)
+    req.sent_output_logprobs = len(req.output_logprobs)
+    return delta

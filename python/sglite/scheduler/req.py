@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from sglite.logprobs import LogprobOptions, TokenLogprob
 from sglite.sampling_params import SamplingParams
 
 STOP_STRING_TAIL_TOKENS = 8  # extra tokens decoded beyond the longest stop string's length
@@ -32,6 +33,7 @@ class Req:
     sampling_params: SamplingParams
     stream: bool = False
     extra_key: str | None = None
+    logprob: LogprobOptions | None = None
     arrival_time: float = field(default_factory=time.monotonic)
 
     output_ids: list[int] = field(default_factory=list)
@@ -59,10 +61,22 @@ class Req:
     first_output_sent: bool = False
     finish_sent: bool = False
     wait_since_processed: int = 0  # processed-token counter at arrival (HRRN aging)
+    # log-probs (see sglite/logprobs.py): prompt positions [input_logprob_next, prompt_len)
+    # still need theirs; entries not yet streamed start at the sent_* counters
+    input_logprobs: list[TokenLogprob] = field(default_factory=list)
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)
+    input_logprob_next: int = 0
+    sent_input_logprobs: int = 0
+    sent_output_logprobs: int = 0
 
     def __post_init__(self) -> None:
         # the prompt as one int64 array: the tree core and the forward read it without copies
         self.input_arr = np.asarray(self.input_ids, dtype=np.int64)
+        n = len(self.input_ids)
+        self.input_logprob_next = n if self.logprob is None else self.logprob.input_start(n)
+        if self.input_logprob_next == 0:  # the first token has no log-prob, only its id
+            self.input_logprobs.append(TokenLogprob(self.input_ids[0], None))
+            self.input_logprob_next = 1
 
     def fill_slice(self, start: int, end: int) -> np.ndarray:
         """fill_ids[start:end] as int64 (a view while it stays inside the prompt)."""
@@ -75,6 +89,14 @@ class Req:
     @property
     def fill_len(self) -> int:
         return len(self.input_ids) + len(self.output_ids)
+
+    @property
+    def match_limit(self) -> int:
+        """The longest prefix the cache may serve: one token is always computed, and prompt
+        log-probs still to compute need the logits of the position before each."""
+        if self.input_logprob_next < len(self.input_ids):
+            return self.input_logprob_next - 1
+        return self.fill_len - 1
 
     @property
     def max_new_tokens(self) -> int:

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from sglite.config import ServerArgs
+from sglite.logprobs import RowLogprobs
 from sglite.mem_cache.cache_manager import CacheManager
 from sglite.messages import (
     AbortReq,
@@ -175,7 +176,14 @@ class Scheduler:
                 logger.error("scheduler: unknown message %r", type(msg).__name__)
 
     def add_request(self, msg: GenerateReq) -> Req:
-        req = Req(msg.rid, list(msg.input_ids), msg.sampling_params, msg.stream, msg.extra_key)
+        req = Req(
+            msg.rid,
+            list(msg.input_ids),
+            msg.sampling_params,
+            msg.stream,
+            msg.extra_key,
+            logprob=msg.logprob,
+        )
         req.wait_since_processed = self.processed_tokens
         error = self.limits.refusal(len(req.input_ids), req.max_new_tokens)
         if error is not None:
@@ -294,10 +302,15 @@ class Scheduler:
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("ran %s", batch.describe())
         self.watchdog.busy(f"processing the result of {batch.describe()}")
-        self.process_batch_result(batch, tokens)
+        self.process_batch_result(batch, tokens, launched.logprobs)
 
     # ---------------------------------------------------------------- results
-    def process_batch_result(self, batch: ScheduleBatch, tokens: np.ndarray) -> None:
+    def process_batch_result(
+        self,
+        batch: ScheduleBatch,
+        tokens: np.ndarray,
+        logprobs: list[RowLogprobs | None] | None = None,
+    ) -> None:
         alloc = self.cache.allocator
         alloc.free_group_begin()
         touched: list[Req] = []
@@ -306,12 +319,20 @@ class Scheduler:
             toks = tokens.tolist()
             for i, req in enumerate(batch.reqs):
                 req.in_flight -= 1
-                if req.epoch != batch.epochs[i] or req.finished or not batch.sample_mask[i]:
+                if req.epoch != batch.epochs[i] or req.finished:
+                    continue
+                row_logprobs = logprobs[i] if logprobs else None
+                if row_logprobs is not None and row_logprobs.input:
+                    req.input_logprobs += row_logprobs.input
+                    req.input_logprob_next += len(row_logprobs.input)
+                if not batch.sample_mask[i]:
                     continue
                 if self.future_of.get(id(req)) == slots[i]:
                     del self.future_of[id(req)]
                 touched.append(req)
-                self._append_token(req, toks[i], batch, i)
+                appended = self._append_token(req, toks[i], batch, i)
+                if appended and row_logprobs is not None and row_logprobs.output:
+                    req.output_logprobs.append(row_logprobs.output)
             if self.releasing:
                 for req in batch.reqs:
                     if req.in_flight == 0 and id(req) in self.releasing:
@@ -322,10 +343,11 @@ class Scheduler:
         if any(r.finished for r in self.running):
             self.running = [r for r in self.running if not r.finished]
 
-    def _append_token(self, req: Req, token: int, batch: ScheduleBatch, i: int) -> None:
+    def _append_token(self, req: Req, token: int, batch: ScheduleBatch, i: int) -> bool:
+        """Append the sampled token (False: max_new_tokens 0, the token is dropped)."""
         if req.max_new_tokens == 0:
             self.finish(req, {"type": "length", "length": 0})
-            return
+            return False
         req.output_ids.append(token)
         self.counters["num_generated_tokens_total"] += 1
         reason = self.stop_checker.check(req)
@@ -333,6 +355,7 @@ class Scheduler:
             self.finish(req, reason)
         elif not batch.is_decode[i]:
             self.cache.checkpoint(req, batch.ends[i])  # publish the prompt right after prefill
+        return True
 
     def finish(self, req: Req, reason: dict[str, Any]) -> None:
         req.finished_reason = reason

@@ -22,13 +22,17 @@ from typing import Protocol
 
 import numpy as np
 
+from sglite.logprobs import RowLogprobs
 from sglite.scheduler.batch import ForwardInput
 
 FUTURE_BUFFER_SIZE = 1 << 18
 
 
 class Tokens(Protocol):
-    """The sampled tokens of one batch, maybe still on their way to the host."""
+    """The sampled tokens of one batch, maybe still on their way to the host, and the
+    log-probs its rows asked for (`ForwardInput.logprob_specs`; None when none did)."""
+
+    logprobs: list[RowLogprobs | None] | None
 
     def wait(self) -> np.ndarray:
         """Block until the tokens are on the host; np.int64 [B]."""
@@ -52,6 +56,10 @@ class Worker(ABC):
     def run(self, fi: ForwardInput) -> np.ndarray:
         """Forward + sample; input ids are already resolved (no future references)."""
 
+    def run_step(self, fi: ForwardInput) -> tuple[np.ndarray, list[RowLogprobs | None] | None]:
+        """`run`, plus the log-probs the rows asked for (default: none computed)."""
+        return self.run(fi), None
+
     def release(self, rids: list[str]) -> None:  # noqa: B027 - optional hook
         """Requests that finished or were retracted (drop per-request state)."""
 
@@ -73,8 +81,9 @@ class NullWorker(Worker):
 class Ready:
     """Tokens already on the host."""
 
-    def __init__(self, tokens: np.ndarray):
+    def __init__(self, tokens: np.ndarray, logprobs: list[RowLogprobs | None] | None = None):
         self.tokens = tokens
+        self.logprobs = logprobs
 
     def wait(self) -> np.ndarray:
         return self.tokens
@@ -90,9 +99,10 @@ class HostFutureMap(FutureMap):
         refs = np.flatnonzero(fi.input_ids < 0)
         if len(refs):
             resolve_refs_on_host(fi, refs, self.tokens[-fi.input_ids[refs] - 1])
-        tokens = np.asarray(worker.run(fi), dtype=np.int64)
+        tokens, logprobs = worker.run_step(fi)
+        tokens = np.asarray(tokens, dtype=np.int64)
         self.tokens[fi.future_slots] = tokens
-        return Ready(tokens)
+        return Ready(tokens, logprobs)
 
 
 def resolve_refs_on_host(fi: ForwardInput, refs: np.ndarray, values: np.ndarray) -> None:
@@ -122,13 +132,18 @@ def _extend_penalty_context(fi: ForwardInput, refs: np.ndarray) -> None:
 
 class Launched:
     """One launched batch: `result()` blocks until its sampled tokens (np.int64 [B]) are on
-    the host. `job` runs the batch (inline, or on the worker thread) and yields `Tokens`."""
+    the host, then `logprobs` holds the batch's log-probs (None when no row asked). `job`
+    runs the batch (inline, or on the worker thread) and yields `Tokens`."""
 
     def __init__(self, job: Future):
         self._job = job
+        self.logprobs: list[RowLogprobs | None] | None = None
 
     def result(self) -> np.ndarray:
-        return self._job.result().wait()
+        tokens = self._job.result()
+        out = tokens.wait()
+        self.logprobs = tokens.logprobs
+        return out
 
 
 class WorkerClient:

@@ -108,12 +108,8 @@ def create_app(tm: TokenizerManager) -> FastAPI:
     @app.post("/generate")
     async def generate(request: Request) -> Any:
         req = await parse_body(request, GenerateRequest)
-        if req.return_logprob:
-            raise RequestError(
-                "return_logprob: not supported by this server", param="return_logprob"
-            )
         prompts, is_batch = tm.inputs.prepare_generate(
-            req.text, req.input_ids, req.sampling_params, req.rid
+            req.text, req.input_ids, req.sampling_params, req.rid, req.logprob_fields()
         )
         if req.stream:
             states = await tm.submit(prompts, stream=True)
@@ -243,10 +239,7 @@ def create_app(tm: TokenizerManager) -> FastAPI:
     async def _openai_stream(
         prompts: list[Prompt], lens: list[int], req: Any, *, chat: bool
     ) -> StreamingResponse:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        events = await openai_api.stream_openai(
-            tm, prompts, lens, chat=chat, include_usage=include_usage
-        )
+        events = await openai_api.stream_openai(tm, prompts, lens, req, chat=chat)
         return StreamingResponse(events, media_type="text/event-stream")
 
     return app

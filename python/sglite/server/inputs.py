@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from sglite.core.budget import PrefillBudget
+from sglite.logprobs import LogprobOptions
 from sglite.sampling_params import SamplingParams
 
 MAX_N = 128  # parallel samples per prompt
@@ -36,6 +37,7 @@ class Prompt:
     input_ids: list[int]
     sampling_params: SamplingParams
     input_text: str | None = None
+    logprob: LogprobOptions | None = None
 
 
 class InputProcessor:
@@ -126,6 +128,30 @@ class InputProcessor:
             raise RequestError(f"{param}: {e}" if param else str(e), param=param) from e
         return sp, n
 
+    def logprob_options(self, fields: dict[str, Any]) -> LogprobOptions | None:
+        """SGLang's log-prob request fields (`return_logprob` and its options) -> options, or
+        None when log-probs are not asked for."""
+        ask = fields.get("return_logprob", False)
+        if not isinstance(ask, bool):
+            raise RequestError(
+                f"return_logprob must be true or false, got {ask!r}", param="return_logprob"
+            )
+        if not ask:
+            return None
+        opts = {k: v for k, v in fields.items() if k != "return_logprob" and v is not None}
+        try:
+            return LogprobOptions.from_request(**opts, vocab_size=self.vocab_size)
+        except ValueError as e:
+            raise RequestError(str(e), param=str(e).split()[0]) from e
+
+    def check_logprob_start(self, opts: LogprobOptions | None, prompt_len: int) -> None:
+        if opts is not None and opts.logprob_start_len > prompt_len:
+            raise RequestError(
+                f"logprob_start_len ({opts.logprob_start_len}) is beyond the prompt "
+                f"({prompt_len} tokens)",
+                param="logprob_start_len",
+            )
+
     def check_length(
         self, prompt_len: int, sp: SamplingParams, param: str, max_param: str = "max_new_tokens"
     ) -> None:
@@ -165,16 +191,18 @@ class InputProcessor:
         text: str | None = None,
         rid: str | None = None,
         max_param: str = "max_new_tokens",
+        logprob: LogprobOptions | None = None,
     ) -> list[Prompt]:
         """n validated copies of one prompt (distinct seeds when a seed is given)."""
         self.check_length(len(ids), sp, param, max_param)
+        self.check_logprob_start(logprob, len(ids))
         if rid is not None and (not self.is_rid_free(rid) or not isinstance(rid, str) or not rid):
             raise RequestError(f"rid: {rid!r} is not a free request id", param="rid")
         base = rid or uuid.uuid4().hex
         out = []
         for i in range(n):
             sp_i = sp if i == 0 or sp.seed is None else replace(sp, seed=sp.seed + i)
-            out.append(Prompt(base if n == 1 else f"{base}_{i}", ids, sp_i, text))
+            out.append(Prompt(base if n == 1 else f"{base}_{i}", ids, sp_i, text, logprob))
         return out
 
     def prepare_generate(
@@ -183,8 +211,12 @@ class InputProcessor:
         input_ids: Any = None,
         sampling_params: Any = None,
         rid: Any = None,
+        logprob: dict[str, Any] | None = None,
     ) -> tuple[list[Prompt], bool]:
-        """Validate a native /generate (or Engine.generate) call: (prompts, is_batch)."""
+        """Validate a native /generate (or Engine.generate) call: (prompts, is_batch).
+        `logprob`: SGLang's log-prob fields (`return_logprob`, `logprob_start_len`,
+        `top_logprobs_num`, `token_ids_logprob`, `return_text_in_logprobs`), each one value
+        for all prompts or a list with one per prompt."""
         if (text is None) == (input_ids is None):
             raise RequestError("exactly one of text and input_ids must be given", param="text")
         if text is not None:
@@ -205,13 +237,20 @@ class InputProcessor:
         if isinstance(rid, str) and is_batch:
             rid = [f"{rid}_{i}" for i in range(len(items))]
         rids = _per_item(rid, len(items), "rid")
+        lp_fields = _logprob_fields_per_item(logprob or {}, len(items), is_batch)
         prompts: list[Prompt] = []
         for i, (item, sp_dict, r) in enumerate(zip(items, sps, rids)):
             where = f"{param}[{i}]" if is_batch else param
             ids = self.tokenize(item, where) if text is not None else self.check_ids(item, where)
             sp, n = self.sampling_params(sp_dict)
             prompts += self.make_prompts(
-                ids, sp, n, param=where, rid=r, text=item if text is not None else None
+                ids,
+                sp,
+                n,
+                param=where,
+                rid=r,
+                text=item if text is not None else None,
+                logprob=self.logprob_options(lp_fields[i]),
             )
         if len({p.rid for p in prompts}) != len(prompts):
             raise RequestError("rid: request ids must be unique", param="rid")
@@ -227,3 +266,19 @@ def _per_item(value: Any, count: int, name: str) -> list[Any]:
             f"{name} must have one entry per prompt ({count}), got {len(value)}", param=name
         )
     return value
+
+
+def _logprob_fields_per_item(
+    fields: dict[str, Any], count: int, is_batch: bool
+) -> list[dict[str, Any]]:
+    """Each log-prob field is one value for every prompt or (in a batch) a list with one
+    per prompt; `token_ids_logprob` is per prompt when it is a list of lists."""
+    out: list[dict[str, Any]] = [{} for _ in range(count)]
+    for key, value in fields.items():
+        per_item = is_batch and isinstance(value, list)
+        if key == "token_ids_logprob":
+            per_item = per_item and all(isinstance(v, list) for v in value) and bool(value)
+        values = _per_item(value, count, key) if per_item else [value] * count
+        for d, v in zip(out, values):
+            d[key] = v
+    return out

@@ -13,7 +13,9 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+from sglite.logprobs import LogprobOptions
 from sglite.server.inputs import Prompt, RequestError
+from sglite.server.logprob_format import openai_logprobs, openai_options
 from sglite.server.protocol import (
     ChatChoice,
     ChatCompletionChunk,
@@ -71,6 +73,7 @@ def _prompts_for(
     token_lists: list[tuple[list[int], str | None, str]],
     max_tokens: int | None,
     max_param: str = "max_tokens",
+    logprob: LogprobOptions | None = None,
 ) -> tuple[list[Prompt], list[int]]:
     if req.stream_options is not None and not req.stream:
         raise RequestError("stream_options: only allowed with stream=true", param="stream_options")
@@ -82,7 +85,7 @@ def _prompts_for(
         sp, n = tm.inputs.sampling_params(req.sampling_dict(budget), param=None)
         rid = req.rid if req.rid is None or len(token_lists) == 1 else f"{req.rid}_{i}"
         prompts += tm.inputs.make_prompts(
-            ids, sp, n, param=param, text=text, rid=rid, max_param=max_param
+            ids, sp, n, param=param, text=text, rid=rid, max_param=max_param, logprob=logprob
         )
     return prompts, [len(ids) for ids, _, _ in token_lists]
 
@@ -92,10 +95,6 @@ def completion_prompts(
     req: CompletionRequest,
 ) -> tuple[list[Prompt], list[int]]:
     check_model(tm, req.model)
-    if req.logprobs is not None:
-        raise RequestError("logprobs: not supported by this server", param="logprobs")
-    if req.echo:
-        raise RequestError("echo: not supported by this server", param="echo")
     p = req.prompt
     if isinstance(p, str):
         items: list[Any] = [p]
@@ -112,7 +111,8 @@ def completion_prompts(
             lists.append((tm.inputs.tokenize(item, param), item, param))
         else:
             lists.append((tm.inputs.check_ids(item, param), None, param))
-    return _prompts_for(tm, req, lists, req.max_tokens)
+    logprob = openai_options(req.logprobs, None, echo=req.echo)
+    return _prompts_for(tm, req, lists, req.max_tokens, logprob=logprob)
 
 
 def _message_dict(m: Any, i: int) -> dict[str, Any]:
@@ -134,8 +134,6 @@ def chat_prompts(
     req: ChatCompletionRequest,
 ) -> tuple[list[Prompt], list[int]]:
     check_model(tm, req.model)
-    if req.logprobs:
-        raise RequestError("logprobs: not supported by this server", param="logprobs")
     if req.tools:
         raise RequestError("tools: tool calling is not supported by this server", param="tools")
     messages = [_message_dict(m, i) for i, m in enumerate(req.messages)]
@@ -144,7 +142,8 @@ def chat_prompts(
         raise RequestError("messages: the conversation is empty", param="messages")
     max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = getattr(req, max_param)
-    return _prompts_for(tm, req, [(ids, text, "messages")], max_tokens, max_param)
+    logprob = openai_options(req.logprobs, req.top_logprobs)
+    return _prompts_for(tm, req, [(ids, text, "messages")], max_tokens, max_param, logprob)
 
 
 async def completions(
@@ -155,7 +154,12 @@ async def completions(
     choices = [
         CompletionChoice(
             index=i,
-            text=o["text"],
+            text=(echo_text(tm, prompts[i]) if req.echo else "") + o["text"],
+            logprobs=(
+                openai_logprobs(o["meta_info"], chat=False, echo=req.echo)
+                if req.logprobs is not None
+                else None
+            ),
             finish_reason=finish_reason_name(o["meta_info"]["finish_reason"]),
             matched_stop=matched_stop(o["meta_info"]["finish_reason"]),
         )
@@ -175,6 +179,7 @@ async def chat(
         ChatChoice(
             index=i,
             message=ChatMessageOut(content=o["text"]),
+            logprobs=openai_logprobs(o["meta_info"], chat=True) if req.logprobs else None,
             finish_reason=finish_reason_name(o["meta_info"]["finish_reason"]),
             matched_stop=matched_stop(o["meta_info"]["finish_reason"]),
         )
@@ -185,29 +190,58 @@ async def chat(
     ).model_dump()
 
 
+def echo_text(tm: TokenizerManager, prompt: Prompt) -> str:
+    """The prompt as `echo` returns it: the text sent, or the decoded token ids."""
+    if prompt.input_text is not None:
+        return prompt.input_text
+    return tm.tokenizer.decode(prompt.input_ids, skip_special_tokens=False)
+
+
 def sse(data: Any) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
 async def stream_openai(
-    tm: TokenizerManager, prompts: list[Prompt], lens: list[int], *, chat: bool, include_usage: bool
+    tm: TokenizerManager,
+    prompts: list[Prompt],
+    lens: list[int],
+    req: CompletionRequest | ChatCompletionRequest,
+    *,
+    chat: bool,
 ) -> AsyncIterator[str]:
     """Submit, then yield SSE events of text deltas; ends with `data: [DONE]`.
 
     Submission happens before the first yield so a refused request is an HTTP error."""
     states = await tm.submit(prompts, stream=True)
-    return _stream_events(tm, states, lens, chat=chat, include_usage=include_usage)
+    return _stream_events(tm, states, prompts, lens, req, chat=chat)
 
 
 async def _stream_events(
-    tm: TokenizerManager, states: list[Any], lens: list[int], *, chat: bool, include_usage: bool
+    tm: TokenizerManager,
+    states: list[Any],
+    prompts: list[Prompt],
+    lens: list[int],
+    req: CompletionRequest | ChatCompletionRequest,
+    *,
+    chat: bool,
 ) -> AsyncIterator[str]:
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     created, model = int(time.time()), tm.served_model_name
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    want_logprobs = bool(req.logprobs) if chat else req.logprobs is not None
+    echo = not chat and req.echo
     sent = [0] * len(states)
+    sent_logprobs = [0] * len(states)  # output log-prob entries already streamed
+    started = [False] * len(states)
     finals: list[dict[str, Any]] = [{} for _ in states]
 
-    def chunk(i: int, text: str | None, reason: dict[str, Any] | None, first: bool) -> str:
+    def chunk(
+        i: int,
+        text: str | None,
+        reason: dict[str, Any] | None,
+        first: bool,
+        logprobs: dict[str, Any] | None = None,
+    ) -> str:
         fr, ms = finish_reason_name(reason), matched_stop(reason)
         if chat:
             delta = ChatDelta(role="assistant" if first else None, content=text)
@@ -215,7 +249,11 @@ async def _stream_events(
                 id=rid,
                 created=created,
                 model=model,
-                choices=[ChatStreamChoice(index=i, delta=delta, finish_reason=fr, matched_stop=ms)],
+                choices=[
+                    ChatStreamChoice(
+                        index=i, delta=delta, logprobs=logprobs, finish_reason=fr, matched_stop=ms
+                    )
+                ],
             )
         else:
             c = CompletionChunk(
@@ -223,10 +261,26 @@ async def _stream_events(
                 created=created,
                 model=model,
                 choices=[
-                    CompletionChoice(index=i, text=text or "", finish_reason=fr, matched_stop=ms)
+                    CompletionChoice(
+                        index=i,
+                        text=text or "",
+                        logprobs=logprobs,
+                        finish_reason=fr,
+                        matched_stop=ms,
+                    )
                 ],
             )
         return sse(c.model_dump(exclude_none=chat))
+
+    def logprobs_delta(i: int, meta: dict[str, Any], with_prompt: bool) -> dict[str, Any] | None:
+        if not want_logprobs:
+            return None
+        new = len(meta["output_token_logprobs"]) - sent_logprobs[i]
+        if not (new or with_prompt):
+            return None
+        out = openai_logprobs(meta, chat=chat, echo=with_prompt, skip_output=sent_logprobs[i])
+        sent_logprobs[i] += new
+        return out
 
     try:
         if chat:
@@ -239,8 +293,13 @@ async def _stream_events(
                 continue
             delta = out["text"][sent[i] :]
             sent[i] = len(out["text"])
-            if delta or reason is not None:
-                yield chunk(i, delta, reason, False)
+            with_prompt = echo and not started[i]  # echo: the prompt comes first
+            if with_prompt:
+                delta = echo_text(tm, prompts[i]) + delta
+            started[i] = True
+            logprobs = logprobs_delta(i, out["meta_info"], with_prompt)
+            if delta or reason is not None or logprobs:
+                yield chunk(i, delta, reason, False, logprobs)
             if reason is not None:
                 finals[i] = out
         if include_usage and all(finals):

@@ -26,7 +26,20 @@ class GenerateRequest(_Request):
     sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
     stream: bool = False
     rid: str | list[str] | None = None
-    return_logprob: bool = False
+    return_logprob: bool | list[bool] = False
+    logprob_start_len: int | list[int] | None = None
+    top_logprobs_num: int | list[int] | None = None
+    token_ids_logprob: list[int] | list[list[int]] | None = None
+    return_text_in_logprobs: bool | None = None
+
+    def logprob_fields(self) -> dict[str, Any]:
+        return {
+            "return_logprob": self.return_logprob,
+            "logprob_start_len": self.logprob_start_len,
+            "top_logprobs_num": self.top_logprobs_num,
+            "token_ids_logprob": self.token_ids_logprob,
+            "return_text_in_logprobs": self.return_text_in_logprobs,
+        }
 
 
 class AbortRequest(_Request):
@@ -104,6 +117,7 @@ class ChatCompletionRequest(_OpenAISampling):
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
+    top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
 
 
@@ -118,7 +132,7 @@ class UsageInfo(BaseModel):
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
     finish_reason: str | None = None
     matched_stop: int | str | None = None
 
@@ -140,7 +154,7 @@ class ChatMessageOut(BaseModel):
 class ChatChoice(BaseModel):
     index: int
     message: ChatMessageOut
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
     finish_reason: str | None = None
     matched_stop: int | str | None = None
 
@@ -162,7 +176,7 @@ class ChatDelta(BaseModel):
 class ChatStreamChoice(BaseModel):
     index: int
     delta: ChatDelta
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
     finish_reason: str | None = None
     matched_stop: int | str | None = None
 

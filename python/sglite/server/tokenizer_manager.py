@@ -38,11 +38,13 @@ from sglite.messages import (
 )
 from sglite.scheduler.watchdog import Heartbeat, stall_threshold
 from sglite.server.inputs import InputProcessor, Prompt, RequestError
+from sglite.server.logprob_format import LogprobLists, display_text, token_bytes
 from sglite.server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
 
 CONTROL_TIMEOUT_S = 10.0
+TOKEN_TEXT_CACHE = 1 << 17
 SEND_RETRY_S = 2.0  # the scheduler's connection may still be settling right after start-up
 
 
@@ -61,6 +63,7 @@ class ReqState:
     version: int = 0  # bumped on every output
     first_output: float | None = None
     last_output: float | None = None
+    logprobs: LogprobLists | None = None  # return_logprob
 
     @property
     def finished(self) -> bool:
@@ -76,6 +79,8 @@ class ReqState:
         }
         if self.finished:
             meta["e2e_latency"] = (self.last_output or time.perf_counter()) - self.created
+        if self.logprobs is not None:
+            meta.update(self.logprobs.meta())
         return {"text": self.text, "output_ids": list(self.output_ids), "meta_info": meta}
 
 
@@ -118,6 +123,7 @@ class TokenizerManager:
             FlushCacheResp: deque(),
             StatsResp: deque(),
         }
+        self._token_texts: dict[int, str] = {}
         self._recv_task: asyncio.Task | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
 
@@ -170,6 +176,18 @@ class TokenizerManager:
         state.version += 1
         state.notify.set()
 
+    def token_text(self, token_id: int) -> str:
+        """One token's text, as log-prob entries show it (cached: ids repeat)."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            if "\ufffd" in text:  # part of a character: show its bytes
+                piece = self.tokenizer.convert_ids_to_tokens(token_id)
+                text = display_text(text, token_bytes(piece) if isinstance(piece, str) else None)
+            if len(self._token_texts) < TOKEN_TEXT_CACHE:
+                self._token_texts[token_id] = text
+        return text
+
     # ------------------------------------------------------------------ receiving
     async def _recv_loop(self) -> None:
         while True:
@@ -202,6 +220,9 @@ class TokenizerManager:
             state.output_ids.extend(new_ids)
             state.completion_tokens = out.completion_tokens[i]
             state.cached_tokens = out.cached_tokens[i]
+            delta = out.logprobs[i] if out.logprobs else None
+            if delta is not None and state.logprobs is not None:
+                state.logprobs.add(delta)
             if new_ids:
                 # Latencies are only meaningful for streamed requests: the others get their
                 # tokens in one piece when they finish.
@@ -244,6 +265,9 @@ class TokenizerManager:
             )
         notify = asyncio.Event()
         states = [ReqState(p.rid, len(p.input_ids), stream, notify) for p in prompts]
+        for p, state in zip(prompts, states):
+            if p.logprob is not None:
+                state.logprobs = LogprobLists(p.logprob, self.token_text)
         for state in states:
             self.states[state.rid] = state
         try:
@@ -255,6 +279,7 @@ class TokenizerManager:
                         p.sampling_params,
                         stream=stream,
                         input_text=p.input_text,
+                        logprob=p.logprob,
                     )
                 )
         except BaseException:
