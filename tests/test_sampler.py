@@ -167,3 +167,15 @@ def test_output_lens_drive_seeds_and_min_new_tokens_without_histories():
     by_len = Sampler()(logits, _info(seeded, vocab_size=64, output_lens=[5]))
     by_ids = Sampler()(logits, _info(seeded, vocab_size=64, output_ids=[[0] * 5]))
     assert by_len.tolist() == by_ids.tolist()
+
+
+def test_logit_bias_is_added_per_row():
+    logits = torch.tensor([[0.0, 2.0, 1.0], [0.0, 2.0, 1.0]])
+    params = [SamplingParams(temperature=0, logit_bias={"2": 5.0}), SamplingParams(temperature=0)]
+    info = _info(params, vocab_size=3)
+    assert Sampler()(logits, info).tolist() == [2, 1]
+    biased = Sampler.apply_penalties(logits, info)
+    assert biased[0].tolist() == [0.0, 2.0, 6.0] and biased[1].tolist() == [0.0, 2.0, 1.0]
+    banned = SamplingParams(temperature=1.0, logit_bias={"0": -100, "1": -100})
+    freq = _frequencies(banned, torch.zeros(V))
+    assert freq[:2].sum() == 0  # -100 makes a token practically impossible

@@ -42,6 +42,10 @@ INVALID = [
     ({"no_stop_trim": None}, "no_stop_trim must be true or false"),
     ({"seed": 1.5}, "seed must be an integer or null"),
     ({"seed": "7"}, "seed must be an integer or null"),
+    ({"logit_bias": [1]}, "logit_bias must be an object"),
+    ({"logit_bias": {"a": 1}}, "logit_bias keys must be token ids"),
+    ({"logit_bias": {"5": 101}}, r"logit_bias\[5\] must be in \[-100.0, 100.0\]"),
+    ({"logit_bias": {"5": "x"}}, r"logit_bias\[5\] must be a finite number"),
 ]
 
 
@@ -95,6 +99,27 @@ def test_check_vocab_rejects_out_of_range_stop_ids():
     SamplingParams(stop_token_ids=[9]).check_vocab(10)
     with pytest.raises(ValueError, match=r"stop_token_ids \[10\] are out of range .* 10 tokens"):
         SamplingParams(stop_token_ids=[3, 10]).check_vocab(10)
+
+
+def test_check_vocab_rejects_out_of_range_logit_bias_ids():
+    SamplingParams(logit_bias={"9": 1.0, 3: -2}).check_vocab(10)
+    with pytest.raises(ValueError, match=r"logit_bias token ids \[12\] are out of range"):
+        SamplingParams(logit_bias={"12": 1.0}).check_vocab(10)
+
+
+def test_model_defaults_come_from_generation_config(tmp_path):
+    import json
+
+    from sglite.sampling_params import model_sampling_defaults
+
+    assert model_sampling_defaults(tmp_path) == {}  # no file
+    (tmp_path / "generation_config.json").write_text(
+        json.dumps({"temperature": 0.6, "top_p": 0.95, "top_k": 0, "min_p": 7, "do_sample": True})
+    )
+    # top_k 0 is transformers' "off"; an invalid value (min_p 7) is not a default
+    assert model_sampling_defaults(tmp_path) == {"temperature": 0.6, "top_p": 0.95, "top_k": -1}
+    (tmp_path / "generation_config.json").write_text("{not json")
+    assert model_sampling_defaults(tmp_path) == {}
 
 
 def test_frozen():

@@ -98,6 +98,13 @@ class ServerArgs:
         "lower admits more eagerly and retracts more often.",
     )
     stream_interval: int = _f(1, "Stream every N tokens.")
+    sampling_defaults: str = _f(
+        "model",
+        "Where a request's unset temperature/top_p/top_k/min_p/repetition_penalty come from: "
+        "model = the model's generation_config.json (SGLang's default), openai = the API's "
+        "neutral defaults (temperature 1, no top-p/top-k/min-p).",
+        choices=("model", "openai"),
+    )
     random_seed: int = _f(0, "Seed of the sampler for requests without their own seed.")
     watchdog_timeout: float = _f(
         300.0,
@@ -151,18 +158,11 @@ class ServerArgs:
             bad("stream_interval", f"must be >= 1, got {self.stream_interval}")
         if not self.watchdog_timeout > 0:  # NaN too
             bad("watchdog_timeout", f"must be > 0 seconds, got {self.watchdog_timeout}")
-        for name in (
-            "dtype",
-            "schedule_policy",
-            "radix_eviction_policy",
-            "attention_backend",
-            "log_level",
-            "tree_core",
-        ):
-            choices = self.__dataclass_fields__[name].metadata.get("choices")
-            value = getattr(self, name)
+        for f in dataclasses.fields(self):  # every field with choices
+            choices = f.metadata.get("choices")
+            value = getattr(self, f.name)
             if value is not None and choices and value not in choices:
-                bad(name, f"must be one of {', '.join(choices)}, got {value!r}")
+                bad(f.name, f"must be one of {', '.join(choices)}, got {value!r}")
 
     # ---------------------------------------------------------------- derived
     @property

@@ -7,16 +7,27 @@ Construct it directly (`SamplingParams(temperature=0.7)`) or from a request body
 Penalty semantics (shared with `sglite.model_executor.sampler`): `frequency_penalty` and
 `presence_penalty` act on the tokens generated so far (OpenAI/vLLM semantics);
 `repetition_penalty` acts on the prompt and the generated tokens (transformers semantics).
+`logit_bias` ({token id: bias in [-100, 100]}, OpenAI's) is added to the logits after the
+penalties.
+
+Defaults: a field a request leaves out takes the model's `generation_config.json` value when
+the server runs with `--sampling-defaults model` (SGLang's default), for the keys in
+`MODEL_DEFAULT_KEYS`; see `model_sampling_defaults`.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Any
 
 # Below this temperature a request is sampled greedily (SGLang uses the same threshold).
 GREEDY_TEMPERATURE = 1e-6
+MAX_LOGIT_BIAS = 100.0
+# generation_config.json keys that become request defaults (same names in SamplingParams)
+MODEL_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 def _is_int(value: Any) -> bool:
@@ -60,6 +71,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
     seed: int | None = None
+    logit_bias: dict[str, float] | None = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_new_tokens) or self.max_new_tokens < 0:
@@ -95,6 +107,20 @@ class SamplingParams:
         _check_bool("no_stop_trim", self.no_stop_trim)
         if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed must be an integer or null, got {self.seed!r}")
+        self._check_logit_bias()
+
+    def _check_logit_bias(self) -> None:
+        if self.logit_bias is None:
+            return
+        if not isinstance(self.logit_bias, dict):
+            raise ValueError(
+                f"logit_bias must be an object mapping token ids to biases, got {self.logit_bias!r}"
+            )
+        for key, bias in self.logit_bias.items():
+            token = str(key)
+            if not token.isdigit():
+                raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
+            _check_number(f"logit_bias[{token}]", bias, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
 
     def _check_stop(self) -> None:
         stop = self.stop
@@ -132,13 +158,47 @@ class SamplingParams:
             raise ValueError(
                 f"stop_token_ids {bad} are out of range for a vocabulary of {vocab_size} tokens"
             )
+        bad = [t for t in self.logit_bias_ids if t >= vocab_size]
+        if bad:
+            raise ValueError(
+                f"logit_bias token ids {bad} are out of range for a vocabulary of {vocab_size} "
+                "tokens"
+            )
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
     @property
+    def logit_bias_ids(self) -> list[int]:
+        return [int(k) for k in self.logit_bias or ()]
+
+    @property
     def stop_strs(self) -> tuple[str, ...]:
         if self.stop is None:
             return ()
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+
+def model_sampling_defaults(model_dir: str | Path | None) -> dict[str, Any]:
+    """The request defaults a model ships in its generation_config.json (the keys of
+    MODEL_DEFAULT_KEYS it sets to valid values); {} when it has none."""
+    if model_dir is None:
+        return {}
+    path = Path(model_dir) / "generation_config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    if config.get("top_k") == 0:  # transformers' "disabled"
+        config["top_k"] = -1
+    out = {}
+    for key in MODEL_DEFAULT_KEYS:
+        if config.get(key) is None:
+            continue
+        try:
+            SamplingParams(**{key: config[key]})
+        except (TypeError, ValueError):  # a value sglite would refuse: not a default
+            continue
+        out[key] = config[key]
+    return out

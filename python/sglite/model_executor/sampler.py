@@ -6,7 +6,7 @@ token of every request. Nothing loops over requests on the device side.
 
 Order (as in SGLang): penalties on the raw logits (repetition: positive logits divided by
 the penalty, negative ones multiplied, over prompt + output tokens; frequency and presence:
-subtracted per occurrence / once, over output tokens), the `min_new_tokens` ban of EOS and
+subtracted per occurrence / once, over output tokens), `logit_bias`, the `min_new_tokens` ban of EOS and
 stop tokens, then greedy rows take the argmax, and the other rows divide by their
 temperature, softmax, mask with top-k, top-p (smallest set whose mass reaches top_p), min-p
 (probability below min_p * max), and sample.
@@ -47,6 +47,7 @@ class SamplingBatchInfo:
     seen_tokens: torch.Tensor | None = None  # [B, V] bool, prompt + output
     repetition_penalties: torch.Tensor | None = None  # [B, 1]
     banned_tokens: torch.Tensor | None = None  # [B, V] bool, min_new_tokens not reached
+    logit_bias: torch.Tensor | None = None  # [B, V] float32 added to the logits
     # Seeds: the rows that have one, their seeds, and their step counters.
     seeded_rows: torch.Tensor | None = None  # [S] int64
     seeds: torch.Tensor | None = None  # [S] int64
@@ -109,6 +110,12 @@ class SamplingBatchInfo:
             fields["repetition_penalties"] = tensor(
                 [p.repetition_penalty for p in params], torch.float32
             ).view(bs, 1)
+        if any(p.logit_bias for p in params):
+            bias = torch.zeros(bs, vocab_size, dtype=torch.float32)
+            for i, p in enumerate(params):
+                for token, value in zip(p.logit_bias_ids, (p.logit_bias or {}).values()):
+                    bias[i, token] = float(value)
+            fields["logit_bias"] = bias.to(device)
         banned = [
             (i, list(eos_token_ids) + list(p.stop_token_ids or ()))
             for i, p in enumerate(params)
@@ -187,6 +194,8 @@ class Sampler:
                 - counts * info.frequency_penalties
                 - (counts > 0).to(logits.dtype) * info.presence_penalties
             )
+        if info.logit_bias is not None:
+            logits = logits + info.logit_bias
         if info.banned_tokens is not None:
             logits = logits.masked_fill(info.banned_tokens, float("-inf"))
         return logits

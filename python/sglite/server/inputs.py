@@ -52,6 +52,7 @@ class InputProcessor:
         max_total_tokens: int | None = None,
         page_size: int = 1,
         is_rid_free: Callable[[str], bool] = lambda rid: True,
+        sampling_defaults: dict[str, Any] | None = None,
     ):
         self.tokenizer = tokenizer
         self.context_length = context_length
@@ -59,6 +60,7 @@ class InputProcessor:
         self.max_total_tokens = max_total_tokens
         self.page_size = page_size
         self.is_rid_free = is_rid_free
+        self.sampling_defaults = dict(sampling_defaults or {})  # fields a request leaves out
 
     def max_new_tokens_limit(self, prompt_len: int) -> int:
         """The most new tokens a prompt may ask for: it must fit in the context and be
@@ -115,7 +117,7 @@ class InputProcessor:
         `param` prefixes error messages (None: the keys are top-level request fields)."""
         if data is not None and not isinstance(data, dict):
             raise RequestError(f"{param} must be an object", param=param)
-        data = dict(data or {})
+        data = {**self.sampling_defaults, **(data or {})}
         n = data.pop("n", 1)
         if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_N:
             raise RequestError(f"n must be an integer in [1, {MAX_N}], got {n!r}", param="n")

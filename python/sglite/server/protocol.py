@@ -65,6 +65,7 @@ class _OpenAISampling(_Request):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     user: str | None = None
+    logit_bias: dict[str, Any] | None = None
     # SGLang extras
     top_k: int | None = None
     min_p: float | None = None
@@ -94,6 +95,7 @@ class _OpenAISampling(_Request):
             "skip_special_tokens": self.skip_special_tokens,
             "no_stop_trim": self.no_stop_trim,
             "seed": self.seed,
+            "logit_bias": self.logit_bias,
             "n": self.n,
         }
         return {k: v for k, v in pairs.items() if v is not None}

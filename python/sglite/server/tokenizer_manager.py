@@ -36,6 +36,7 @@ from sglite.messages import (
     GetStatsReq,
     StatsResp,
 )
+from sglite.sampling_params import model_sampling_defaults
 from sglite.scheduler.watchdog import Heartbeat, stall_threshold
 from sglite.server.inputs import InputProcessor, Prompt, RequestError
 from sglite.server.logprob_format import LogprobLists, display_text, token_bytes
@@ -116,6 +117,7 @@ class TokenizerManager:
             max_total_tokens=self.max_total_tokens,
             page_size=server_args.page_size,
             is_rid_free=lambda r: r not in self.states,
+            sampling_defaults=self._sampling_defaults(),
         )
         self.dead_reason: str | None = None  # set when a child process died
         self.heartbeat = heartbeat or Heartbeat()  # when the scheduler's current step began
@@ -126,6 +128,14 @@ class TokenizerManager:
         self._token_texts: dict[int, str] = {}
         self._recv_task: asyncio.Task | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
+
+    def _sampling_defaults(self) -> dict[str, Any]:
+        if getattr(self.server_args, "sampling_defaults", "model") != "model":
+            return {}
+        defaults = model_sampling_defaults(self.model_info.get("model_path"))
+        if defaults:
+            logger.info("sampling defaults from the model's generation_config.json: %s", defaults)
+        return defaults
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
