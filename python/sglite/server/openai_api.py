@@ -13,6 +13,8 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+from sglite.server.chat_request import plan_chat
+from sglite.server.chat_response import ChoiceReader, reader_for
 from sglite.server.inputs import Prompt, RequestError
 from sglite.server.protocol import (
     ChatChoice,
@@ -20,7 +22,6 @@ from sglite.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatDelta,
-    ChatMessageOut,
     ChatStreamChoice,
     CompletionChoice,
     CompletionChunk,
@@ -71,6 +72,7 @@ def _prompts_for(
     token_lists: list[tuple[list[int], str | None, str]],
     max_tokens: int | None,
     max_param: str = "max_tokens",
+    extra_sampling: dict[str, Any] | None = None,
 ) -> tuple[list[Prompt], list[int]]:
     if req.stream_options is not None and not req.stream:
         raise RequestError("stream_options: only allowed with stream=true", param="stream_options")
@@ -79,7 +81,8 @@ def _prompts_for(
         budget = max_tokens  # none given: as many as fit (OpenAI's chat default)
         if budget is None:
             budget = max(tm.inputs.max_new_tokens_limit(len(ids)), 0)
-        sp, n = tm.inputs.sampling_params(req.sampling_dict(budget), param=None)
+        sampling = {**req.sampling_dict(budget), **(extra_sampling or {})}
+        sp, n = tm.inputs.sampling_params(sampling, param=None)
         rid = req.rid if req.rid is None or len(token_lists) == 1 else f"{req.rid}_{i}"
         prompts += tm.inputs.make_prompts(
             ids, sp, n, param=param, text=text, rid=rid, max_param=max_param
@@ -136,15 +139,27 @@ def chat_prompts(
     check_model(tm, req.model)
     if req.logprobs:
         raise RequestError("logprobs: not supported by this server", param="logprobs")
-    if req.tools:
-        raise RequestError("tools: tool calling is not supported by this server", param="tools")
     messages = [_message_dict(m, i) for i, m in enumerate(req.messages)]
-    text, ids = tm.inputs.apply_chat_template(messages)
+    # tools, tool_choice, template kwargs, reasoning: server/chat_request.py
+    plan = plan_chat(
+        req,
+        messages,
+        tool_call_parser=getattr(tm.server_args, "tool_call_parser", None),
+        reasoning_parser=getattr(tm.server_args, "reasoning_parser", None),
+    )
+    text, ids = tm.inputs.apply_chat_template(
+        plan.messages, plan.template_tools, plan.template_kwargs
+    )
     if not ids:
         raise RequestError("messages: the conversation is empty", param="messages")
     max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = getattr(req, max_param)
-    return _prompts_for(tm, req, [(ids, text, "messages")], max_tokens, max_param)
+    prompts, lens = _prompts_for(
+        tm, req, [(ids, text, "messages")], max_tokens, max_param, plan.sampling
+    )
+    for p in prompts:
+        p.chat_output = plan
+    return prompts, lens
 
 
 async def completions(
@@ -171,15 +186,14 @@ async def chat(
 ) -> dict[str, Any]:
     prompts, lens = chat_prompts(tm, req)
     outputs = await tm.collect(prompts, is_disconnected)
-    choices = [
-        ChatChoice(
-            index=i,
-            message=ChatMessageOut(content=o["text"]),
-            finish_reason=finish_reason_name(o["meta_info"]["finish_reason"]),
-            matched_stop=matched_stop(o["meta_info"]["finish_reason"]),
+    choices = []
+    for i, (p, o) in enumerate(zip(prompts, outputs)):
+        # content, reasoning_content, tool_calls: server/chat_response.py
+        reader = reader_for(p.chat_output, p.input_text)
+        message, reason, matched = reader.message(o["text"], o["meta_info"]["finish_reason"])
+        choices.append(
+            ChatChoice(index=i, message=message, finish_reason=reason, matched_stop=matched)
         )
-        for i, o in enumerate(outputs)
-    ]
     return ChatCompletionResponse(
         model=tm.served_model_name, choices=choices, usage=_usage(lens, outputs)
     ).model_dump()
@@ -196,11 +210,18 @@ async def stream_openai(
 
     Submission happens before the first yield so a refused request is an HTTP error."""
     states = await tm.submit(prompts, stream=True)
-    return _stream_events(tm, states, lens, chat=chat, include_usage=include_usage)
+    readers = [reader_for(p.chat_output, p.input_text) for p in prompts] if chat else None
+    return _stream_events(tm, states, lens, chat=chat, include_usage=include_usage, readers=readers)
 
 
 async def _stream_events(
-    tm: TokenizerManager, states: list[Any], lens: list[int], *, chat: bool, include_usage: bool
+    tm: TokenizerManager,
+    states: list[Any],
+    lens: list[int],
+    *,
+    chat: bool,
+    include_usage: bool,
+    readers: list[ChoiceReader] | None = None,
 ) -> AsyncIterator[str]:
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     created, model = int(time.time()), tm.served_model_name
@@ -228,6 +249,11 @@ async def _stream_events(
             )
         return sse(c.model_dump(exclude_none=chat))
 
+    def chat_chunk(i: int, delta: ChatDelta, fr: str | None, ms: int | str | None) -> str:
+        choice = ChatStreamChoice(index=i, delta=delta, finish_reason=fr, matched_stop=ms)
+        c = ChatCompletionChunk(id=rid, created=created, model=model, choices=[choice])
+        return sse(c.model_dump(exclude_none=True))
+
     try:
         if chat:
             for i in range(len(states)):
@@ -239,7 +265,10 @@ async def _stream_events(
                 continue
             delta = out["text"][sent[i] :]
             sent[i] = len(out["text"])
-            if delta or reason is not None:
+            if readers is not None:  # chat: content, reasoning, tool calls (chat_response.py)
+                for d, fr, ms in readers[i].step(delta, reason):
+                    yield chat_chunk(i, d, fr, ms)
+            elif delta or reason is not None:
                 yield chunk(i, delta, reason, False)
             if reason is not None:
                 finals[i] = out
