@@ -215,3 +215,44 @@ def test_bad_tool_requests_are_400(server, extra, words):
         server.url + "/v1/chat/completions", json={"model": "m", "messages": USER}, timeout=30
     )
     assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] == "Checking."
+
+
+# ---------------------------------------------------------------------- SmolLM2
+@pytest.fixture(scope="module")
+def smol(smollm2_dir, tmp_path_factory):
+    log = tmp_path_factory.mktemp("log") / "smol.log"
+    args = ["--model-path", str(smollm2_dir), "--max-total-tokens", "4096"]
+    args += [
+        "--served-model-name",
+        "m",
+        "--tool-call-parser",
+        "qwen",
+        "--reasoning-parser",
+        "qwen3",
+    ]
+    srv = start_server(args, log, fake=False, timeout=300)
+    yield srv
+    assert srv.stop() == 0, srv.log()
+
+
+def test_smollm2_plain_answer_passes_the_parsers_unchanged(smol, smollm2_dir):
+    """A real model that answers in prose (SmolLM2's template ignores tools): with both
+    parsers on, the message is the greedy text of /generate on the same prompt."""
+    from transformers import AutoTokenizer
+
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    tok = AutoTokenizer.from_pretrained(str(smollm2_dir))
+    prompt = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    body = {
+        "input_ids": tok.encode(prompt, add_special_tokens=False),
+        "sampling_params": {"max_new_tokens": 16, "temperature": 0},
+    }
+    ref = httpx.post(smol.url + "/generate", json=body, timeout=120)
+    client = openai.OpenAI(base_url=smol.url + "/v1", api_key="none", max_retries=0)
+    kw = dict(model="m", messages=messages, tools=[WEATHER], max_tokens=16, temperature=0)
+    r = client.chat.completions.create(**kw)
+    assert "Paris" in r.choices[0].message.content
+    assert r.choices[0].message.content == ref.json()["text"]
+    assert r.choices[0].message.tool_calls is None and r.choices[0].finish_reason != "tool_calls"
+    got = collect_stream(client.chat.completions.create(**kw, stream=True))
+    assert (got["content"], got["reasoning"], got["calls"]) == (ref.json()["text"], "", [])
