@@ -17,7 +17,7 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from fixtures.chat_templates import build_echo_tokenizer
 from sglite.server import openai_api
 from sglite.server.chat_response import ChoiceReader
-from sglite.server.inputs import InputProcessor
+from sglite.server.inputs import InputProcessor, RequestError
 from sglite.server.protocol import ChatCompletionRequest
 
 WEATHER = {
@@ -225,3 +225,19 @@ def test_reader_without_parser_is_unchanged():
         "stop",
         2,
     )
+
+
+def test_forced_call_and_another_constraint_is_400(tokenizer):
+    """After the grammar merge a request could constrain its output twice (response_format
+    and a forced tool call): refused, not one silently dropped."""
+    tm = ScriptedManager(tokenizer, ["x"], STOP)
+    req = SimpleNamespace(
+        stream_options=None,
+        rid=None,
+        sampling_dict=lambda budget: {"max_new_tokens": budget, "json_schema": "{}"},
+    )
+    with pytest.raises(RequestError, match="both constrain the output") as e:
+        openai_api._prompts_for(
+            tm, req, [([1, 2], None, "messages")], 4, "max_tokens", {"json_schema": "[]"}
+        )
+    assert e.value.param == "tool_choice"

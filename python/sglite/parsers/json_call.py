@@ -35,14 +35,16 @@ class CallScanner:
         self.raw = ""  # everything consumed
         self.name: str | None = None
         self.has_args = False
-        self._out: list[tuple[str, str]] = []  # ("name", name) | ("args", text)
+        self._out: list[tuple[str, str]] = []  # ("name", name)
+        self._args: list[str] = []  # pieces of arguments not yet taken
         self._early_args: list[str] = []  # arguments read before the name
         self._state = "open"
         self._first_key = True
         self._key = ""
         self._role = "skip"  # what the current value is: name | args | skip
         self._kind = ""  # container | string | scalar
-        self._value = ""
+        self._value = ""  # the current value's text, when it is needed (name, held arguments)
+        self._keep = False
         self._streaming = False  # the current value is streamed as arguments
         self._depth = 0
         self._in_string = False
@@ -53,7 +55,11 @@ class CallScanner:
         return self.name is not None
 
     def take(self) -> list[tuple[str, str]]:
+        """The output since the last take: the name (once), then arguments text."""
         out, self._out = self._out, []
+        if self._args:
+            out.append(("args", "".join(self._args)))
+            self._args = []
         return out
 
     def feed(self, text: str) -> int:
@@ -77,12 +83,7 @@ class CallScanner:
 
     # ------------------------------------------------------------------ internals
     def _emit_args(self, text: str) -> None:
-        if self.name is None:
-            self._early_args.append(text)
-        elif self._out and self._out[-1][0] == "args":
-            self._out[-1] = ("args", self._out[-1][1] + text)
-        elif text:
-            self._out.append(("args", text))
+        (self._args if self.name is not None else self._early_args).append(text)
 
     def _fail(self) -> bool:
         self.status = FAILED
@@ -159,6 +160,7 @@ class CallScanner:
         else:
             self._role = "skip"
         self._streaming = self._role == "args" and c == "{"
+        self._keep = self._role == "name" or (self._role == "args" and not self._streaming)
         self._value, self._in_string, self._escaped = c, False, False
         self._state = "in_value"
         if self._streaming:
@@ -172,8 +174,9 @@ class CallScanner:
                 return False  # the delimiter belongs to the object
             self._value += c
             return True
-        self._value += c
-        if self._streaming:
+        if self._keep:
+            self._value += c
+        elif self._streaming:
             self._emit_args(c)
         if self._kind == "string" or self._in_string:
             if self._escaped:
@@ -207,8 +210,7 @@ class CallScanner:
                 return
             self.name = name
             self._out.append(("name", name))
-            for text in self._early_args:
-                self._emit_args(text)
+            self._args += self._early_args
             self._early_args = []
         elif self._role == "args" and not self._streaming:
             self._emit_args(_decoded_arguments(self._value))

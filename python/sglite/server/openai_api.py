@@ -81,8 +81,15 @@ def _prompts_for(
         budget = max_tokens  # none given: as many as fit (OpenAI's chat default)
         if budget is None:
             budget = max(tm.inputs.max_new_tokens_limit(len(ids)), 0)
-        sampling = {**req.sampling_dict(budget), **(extra_sampling or {})}
-        sp, n = tm.inputs.sampling_params(sampling, param=None)
+        sampling = req.sampling_dict(budget)
+        clash = sorted(set(sampling) & set(extra_sampling or {}))
+        if clash:  # e.g. a json_schema from both tool_choice and the request
+            raise RequestError(
+                f"tool_choice: a forced tool call and the request's {', '.join(clash)} both "
+                "constrain the output; give only one of them",
+                param="tool_choice",
+            )
+        sp, n = tm.inputs.sampling_params({**sampling, **(extra_sampling or {})}, param=None)
         rid = req.rid if req.rid is None or len(token_lists) == 1 else f"{req.rid}_{i}"
         prompts += tm.inputs.make_prompts(
             ids, sp, n, param=param, text=text, rid=rid, max_param=max_param
