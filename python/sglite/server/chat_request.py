@@ -131,29 +131,17 @@ def plan_chat(
         )
     template_tools = [t for t in tools if named is None or t["function"]["name"] == named]
     mode, sampling = "off", {}
-    if tools and choice == "auto" and tool_call_parser:
-        mode = "native"
-    elif tools and choice == "auto" and not _warned_no_parser:
-        _warned_no_parser.append(True)
-        logger.warning(
-            "a request gave tools but the server has no --tool-call-parser: the tools reach "
-            "the chat template, tool calls come back as text"
-        )
-    elif choice == "required" or named is not None:
-        mode = "named" if named is not None else "required"
-        schema = (
-            named_schema(template_tools[0])
-            if named is not None
-            else required_schema(tools, parallel=req.parallel_tool_calls)
-        )
-        sampling = {"json_schema": json.dumps(schema)}
-        if not grammar_backend_available():
-            label = "required" if named is None else f"{{function: {named}}}"
-            raise RequestError(
-                f"tool_choice={label} needs the grammar backend (structured output), which "
-                'this server does not have yet; use tool_choice="auto"',
-                param="tool_choice",
+    if choice == "auto" and tools:
+        mode = "native" if tool_call_parser else "off"
+        if not tool_call_parser and not _warned_no_parser:
+            _warned_no_parser.append(True)
+            logger.warning(
+                "a request gave tools but the server has no --tool-call-parser: the tools "
+                "reach the chat template, tool calls come back as text"
             )
+    elif choice == "required" or named is not None:
+        mode = "required" if named is None else "named"
+        sampling = _forced_call_sampling(tools, named, req.parallel_tool_calls)
     return ChatPlan(
         messages=[
             _with_tool_fields(m, msg, i) for i, (m, msg) in enumerate(zip(req.messages, messages))
@@ -166,6 +154,25 @@ def plan_chat(
         named_tool=named,
         reasoning_parser=reasoning_parser if req.separate_reasoning else None,
     )
+
+
+def _forced_call_sampling(
+    tools: list[dict[str, Any]], named: str | None, parallel: bool
+) -> dict[str, Any]:
+    """The SamplingParams fields that force the calls: a JSON schema for the grammar
+    backend (a 400 on a server without one)."""
+    if not grammar_backend_available():
+        label = "required" if named is None else f"{{function: {named}}}"
+        raise RequestError(
+            f"tool_choice={label} needs the grammar backend (structured output), which "
+            'this server does not have yet; use tool_choice="auto"',
+            param="tool_choice",
+        )
+    if named is None:
+        schema = required_schema(tools, parallel=parallel)
+    else:
+        schema = named_schema(next(t for t in tools if t["function"]["name"] == named))
+    return {"json_schema": json.dumps(schema)}
 
 
 def _check_tool_names(tools: list[dict[str, Any]]) -> None:
