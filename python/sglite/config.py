@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sglite.attention import BACKENDS, default_backend
+from sglite.parsers import REASONING_FORMATS, TOOL_CALL_PARSERS
 
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random", "hrrn", "shortest-prefill-first")
 EVICTION_POLICIES = ("lru", "lfu", "fifo", "priority")
@@ -83,6 +84,20 @@ class ServerArgs:
     log_level: str = _f("info", "Log level.", choices=LOG_LEVELS)
     served_model_name: str | None = _f(
         None, "Model name in the OpenAI API (default: the model path)."
+    )
+    # chat output parsing (sglite/parsers)
+    tool_call_parser: str | None = _f(
+        None,
+        "Parse tool calls out of chat output in this model family's format: qwen (also "
+        "qwen25, hermes: <tool_call>{json}</tool_call>) or llama3 (JSON objects). Without it, "
+        "tools still reach the chat template but calls come back as text.",
+        choices=tuple(TOOL_CALL_PARSERS),
+    )
+    reasoning_parser: str | None = _f(
+        None,
+        "Split <think>...</think> reasoning into reasoning_content: qwen3, qwen3-thinking, "
+        "deepseek-r1 or deepseek-v3.",
+        choices=tuple(REASONING_FORMATS),
     )
     tree_core: str | None = _f(
         None,

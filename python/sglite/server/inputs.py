@@ -38,6 +38,7 @@ class Prompt:
     sampling_params: SamplingParams
     input_text: str | None = None
     logprob: LogprobOptions | None = None
+    chat_output: Any = None  # chat: the ChatPlan that reads the output (server/chat_request.py)
 
 
 class InputProcessor:
@@ -83,14 +84,25 @@ class InputProcessor:
             raise RequestError(f"{param} is empty; give a non-empty prompt", param=param)
         return list(self.tokenizer.encode(text))
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> tuple[str, list[int]]:
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> tuple[str, list[int]]:
+        """Render the conversation (with the tools and the template's own variables, e.g.
+        enable_thinking) and tokenize it."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise RequestError(
                 "messages: this model has no chat template; use /v1/completions", param="messages"
             )
         try:
             text = self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True
+                messages,
+                tools=tools,
+                tokenize=False,
+                add_generation_prompt=True,
+                **(template_kwargs or {}),
             )
         except Exception as e:  # jinja errors: unsupported role order, ...
             raise RequestError(

@@ -14,6 +14,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from sglite.logprobs import LogprobOptions
+from sglite.server.chat_request import plan_chat
+from sglite.server.chat_response import ChoiceReader, reader_for
 from sglite.server.inputs import Prompt, RequestError
 from sglite.server.logprob_format import openai_logprobs, openai_options
 from sglite.server.protocol import (
@@ -22,7 +24,6 @@ from sglite.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatDelta,
-    ChatMessageOut,
     ChatStreamChoice,
     CompletionChoice,
     CompletionChunk,
@@ -74,6 +75,7 @@ def _prompts_for(
     max_tokens: int | None,
     max_param: str = "max_tokens",
     logprob: LogprobOptions | None = None,
+    extra_sampling: dict[str, Any] | None = None,
 ) -> tuple[list[Prompt], list[int]]:
     if req.stream_options is not None and not req.stream:
         raise RequestError("stream_options: only allowed with stream=true", param="stream_options")
@@ -82,7 +84,15 @@ def _prompts_for(
         budget = max_tokens  # none given: as many as fit (OpenAI's chat default)
         if budget is None:
             budget = max(tm.inputs.max_new_tokens_limit(len(ids)), 0)
-        sp, n = tm.inputs.sampling_params(req.sampling_dict(budget), param=None)
+        sampling = req.sampling_dict(budget)
+        clash = sorted(set(sampling) & set(extra_sampling or {}))
+        if clash:  # e.g. a json_schema from both tool_choice and the request
+            raise RequestError(
+                f"tool_choice: a forced tool call and the request's {', '.join(clash)} both "
+                "constrain the output; give only one of them",
+                param="tool_choice",
+            )
+        sp, n = tm.inputs.sampling_params({**sampling, **(extra_sampling or {})}, param=None)
         rid = req.rid if req.rid is None or len(token_lists) == 1 else f"{req.rid}_{i}"
         prompts += tm.inputs.make_prompts(
             ids, sp, n, param=param, text=text, rid=rid, max_param=max_param, logprob=logprob
@@ -134,16 +144,34 @@ def chat_prompts(
     req: ChatCompletionRequest,
 ) -> tuple[list[Prompt], list[int]]:
     check_model(tm, req.model)
-    if req.tools:
-        raise RequestError("tools: tool calling is not supported by this server", param="tools")
     messages = [_message_dict(m, i) for i, m in enumerate(req.messages)]
-    text, ids = tm.inputs.apply_chat_template(messages)
+    # tools, tool_choice, template kwargs, reasoning: server/chat_request.py
+    plan = plan_chat(
+        req,
+        messages,
+        tool_call_parser=getattr(tm.server_args, "tool_call_parser", None),
+        reasoning_parser=getattr(tm.server_args, "reasoning_parser", None),
+    )
+    text, ids = tm.inputs.apply_chat_template(
+        plan.messages, plan.template_tools, plan.template_kwargs
+    )
     if not ids:
         raise RequestError("messages: the conversation is empty", param="messages")
     max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = getattr(req, max_param)
     logprob = openai_options(req.logprobs, req.top_logprobs)
-    return _prompts_for(tm, req, [(ids, text, "messages")], max_tokens, max_param, logprob)
+    prompts, lens = _prompts_for(
+        tm,
+        req,
+        [(ids, text, "messages")],
+        max_tokens,
+        max_param,
+        logprob=logprob,
+        extra_sampling=plan.sampling,
+    )
+    for p in prompts:
+        p.chat_output = plan
+    return prompts, lens
 
 
 async def completions(
@@ -175,16 +203,21 @@ async def chat(
 ) -> dict[str, Any]:
     prompts, lens = chat_prompts(tm, req)
     outputs = await tm.collect(prompts, is_disconnected)
-    choices = [
-        ChatChoice(
-            index=i,
-            message=ChatMessageOut(content=o["text"]),
-            logprobs=openai_logprobs(o["meta_info"], chat=True) if req.logprobs else None,
-            finish_reason=finish_reason_name(o["meta_info"]["finish_reason"]),
-            matched_stop=matched_stop(o["meta_info"]["finish_reason"]),
+    choices = []
+    for i, (p, o) in enumerate(zip(prompts, outputs)):
+        # content, reasoning_content, tool_calls: server/chat_response.py
+        reader = reader_for(p.chat_output, p.input_text)
+        message, reason, matched = reader.message(o["text"], o["meta_info"]["finish_reason"])
+        logprobs = openai_logprobs(o["meta_info"], chat=True) if req.logprobs else None
+        choices.append(
+            ChatChoice(
+                index=i,
+                message=message,
+                logprobs=logprobs,
+                finish_reason=reason,
+                matched_stop=matched,
+            )
         )
-        for i, o in enumerate(outputs)
-    ]
     return ChatCompletionResponse(
         model=tm.served_model_name, choices=choices, usage=_usage(lens, outputs)
     ).model_dump()
@@ -213,7 +246,8 @@ async def stream_openai(
 
     Submission happens before the first yield so a refused request is an HTTP error."""
     states = await tm.submit(prompts, stream=True)
-    return _stream_events(tm, states, prompts, lens, req, chat=chat)
+    readers = [reader_for(p.chat_output, p.input_text) for p in prompts] if chat else None
+    return _stream_events(tm, states, prompts, lens, req, chat=chat, readers=readers)
 
 
 async def _stream_events(
@@ -224,6 +258,7 @@ async def _stream_events(
     req: CompletionRequest | ChatCompletionRequest,
     *,
     chat: bool,
+    readers: list[ChoiceReader] | None = None,
 ) -> AsyncIterator[str]:
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     created, model = int(time.time()), tm.served_model_name
@@ -282,6 +317,19 @@ async def _stream_events(
         sent_logprobs[i] += new
         return out
 
+    def chat_chunk(
+        i: int,
+        delta: ChatDelta,
+        fr: str | None,
+        ms: int | str | None,
+        logprobs: dict[str, Any] | None = None,
+    ) -> str:
+        choice = ChatStreamChoice(
+            index=i, delta=delta, logprobs=logprobs, finish_reason=fr, matched_stop=ms
+        )
+        c = ChatCompletionChunk(id=rid, created=created, model=model, choices=[choice])
+        return sse(c.model_dump(exclude_none=True))
+
     try:
         if chat:
             for i in range(len(states)):
@@ -298,7 +346,13 @@ async def _stream_events(
                 delta = echo_text(tm, prompts[i]) + delta
             started[i] = True
             logprobs = logprobs_delta(i, out["meta_info"], with_prompt)
-            if delta or reason is not None or logprobs:
+            if readers is not None:  # chat: content, reasoning, tool calls (chat_response.py)
+                pieces = list(readers[i].step(delta, reason))
+                if logprobs and not pieces:  # the text is held back; its log-probs are not
+                    pieces = [(ChatDelta(), None, None)]
+                for j, (d, fr, ms) in enumerate(pieces):
+                    yield chat_chunk(i, d, fr, ms, logprobs if j == 0 else None)
+            elif delta or reason is not None or logprobs:
                 yield chunk(i, delta, reason, False, logprobs)
             if reason is not None:
                 finals[i] = out
