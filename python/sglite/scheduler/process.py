@@ -130,7 +130,7 @@ def run_scheduler_process(
     logger.info(
         "scheduler ready: %d KV tokens, tree core %s, %s loop",
         info["max_total_tokens"], info["tree_core"]["backend"],
-        "normal" if args.disable_overlap_schedule else "overlap",
+        "normal" if sched.args.disable_overlap_schedule else "overlap",
     )  # fmt: skip
 
     def recv(block: bool) -> list:

@@ -59,7 +59,7 @@ class ApiKeyMiddleware:
             if has_header
             else "this server requires an API key: send `Authorization: Bearer <key>`"
         )
-        body = json.dumps(error_body(message, 401)).encode()
+        body = json.dumps(error_body(message, 401), separators=(",", ":")).encode()
         await send(
             {
                 "type": "http.response.start",

@@ -31,7 +31,14 @@ from collections import deque
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE  # noqa: F401 (re-export)
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 
 PREFIX = "sglang:"
 THROUGHPUT_WINDOW_S = 10.0
@@ -75,6 +82,7 @@ class ServerMetrics(NullMetrics):
     enabled = True
 
     def __init__(self, model_name: str):
+        disable_created_metrics()  # no `*_created` series: SGLang exports none
         self.registry = CollectorRegistry(auto_describe=True)
         r, labels = self.registry, {"model_name": model_name}
         names = ("model_name",)
