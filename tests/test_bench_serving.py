@@ -130,8 +130,8 @@ def make_app(fake: Fake) -> Any:
 
     @app.get("/get_server_info")
     async def server_info() -> Any:
-        return {"scheduler_stats": {"num_cached_tokens_total": fake.cached_total,
-                                    "num_prompt_tokens_total": fake.prompt_total}}  # fmt: skip
+        return {"num_cached_tokens_total": fake.cached_total,
+                "num_prompt_tokens_total": fake.prompt_total}  # fmt: skip
 
     @app.get("/metrics")
     async def metrics() -> Any:

@@ -111,14 +111,15 @@ def test_missing_and_unknown_tensors_are_errors(tiny_model_dir, tmp_path):
 
 
 def test_bad_model_path_and_dtype(tmp_path):
-    with pytest.raises(FileNotFoundError, match="does not download"):
+    with pytest.raises(FileNotFoundError, match="neither a folder"):
         ModelRunner(tmp_path / "nope", device="cpu")
     with pytest.raises(FileNotFoundError, match="config.json"):
         ModelRunner(tmp_path, device="cpu")
     from sglite.model_executor.model_runner import resolve_dtype
 
     assert resolve_dtype(None, torch.device("cpu")) == torch.float32
-    assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
+    assert resolve_dtype("auto", torch.device("cuda")) == torch.float16  # SGLang's auto
+    assert resolve_dtype("auto", torch.device("cuda"), "bfloat16") == torch.bfloat16
     with pytest.raises(ValueError, match="unknown dtype 'fp8'"):
         resolve_dtype("fp8", torch.device("cpu"))
 

@@ -16,7 +16,7 @@ later turns count as failed. Warm-up requests use their own random prompts, so t
 prefix of the run.
 
 Cache hit rate: deltas of the server's counters across the measured run (sglite:
-/get_server_info scheduler_stats; vLLM: /metrics prefix_cache_hits/queries), else the sum of
+/get_server_info counters; vLLM: /metrics prefix_cache_hits/queries), else the sum of
 usage cached_tokens, else n/a. For generated-shared-prefix, the best rate any cache could
 reach on the system prompts (sglite.bench.datasets.best_prefix_hit_rate) is printed beside it.
 

@@ -6,8 +6,10 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from typing import NoReturn
 
 from sglite.config import ServerArgs
+from sglite.unsupported_flags import drop_no_ops, find_unsupported, help_epilog
 from sglite.version import __version__
 
 
@@ -16,22 +18,43 @@ def build_parser(prog: str = "sglite serve") -> argparse.ArgumentParser:
         prog=prog,
         description="Serve a model over HTTP (SGLang-native /generate and an "
         "OpenAI-compatible /v1 API). With no --model-path, serves SmolLM2-135M-Instruct.",
+        epilog=help_epilog(),
     )
     parser.add_argument("--version", action="version", version=f"sglite {__version__}")
     ServerArgs.add_cli_args(parser)
+    # SGLang's short spelling of --tp-size (its docs use `--tp 2`)
+    parser.add_argument(
+        "--tp", dest="tp_size", type=int, default=argparse.SUPPRESS, help=argparse.SUPPRESS
+    )
     return parser
+
+
+def parse_server_args(argv: list[str], prog: str = "sglite serve") -> ServerArgs:
+    """ServerArgs from a command line; exits with status 2 and a message on a bad one
+    (an SGLang flag sglite does not support is named as such)."""
+    parser = build_parser(prog)
+    argv = drop_no_ops(argv, parser._option_string_actions)
+    problem = find_unsupported(argv, parser._option_string_actions)
+    if problem is not None:
+        _exit_usage(prog, problem)
+    ns = parser.parse_args(argv)
+    try:
+        return ServerArgs.from_cli_args(ns)
+    except ValueError as e:
+        _exit_usage(prog, str(e))
+
+
+def _exit_usage(prog: str, message: str) -> NoReturn:
+    """The message alone (the usage line lists every flag: it would bury it), status 2."""
+    print(f"{prog}: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
 
 
 def serve(argv: list[str], prog: str = "sglite serve") -> int:
     """Parse server flags and run the server until it stops; returns the exit code."""
     from sglite.launcher import StartupError, launch_server
 
-    ns = build_parser(prog).parse_args(argv)
-    try:
-        server_args = ServerArgs.from_cli_args(ns)
-    except ValueError as e:
-        print(f"{prog}: error: {e}", file=sys.stderr)
-        return 2
+    server_args = parse_server_args(argv, prog)
     try:
         return launch_server(server_args)
     except StartupError as e:

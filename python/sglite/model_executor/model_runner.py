@@ -63,13 +63,21 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     return device
 
 
-def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+def resolve_dtype(
+    dtype: str | torch.dtype | None, device: torch.device, checkpoint_dtype: str | None = None
+) -> torch.dtype:
+    """`auto` on CUDA is SGLang's rule: bfloat16 for a bfloat16 checkpoint, else float16;
+    on CPU float32, the fastest CPU path of this engine (bfloat16 only when asked)."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype is None or dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        if device.type != "cuda":
+            return torch.float32
+        return torch.bfloat16 if checkpoint_dtype == "bfloat16" else torch.float16
     if dtype not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; choose auto, float32, bfloat16 or float16")
+        raise ValueError(
+            f"unknown dtype {dtype!r}; choose auto, half, float16, bfloat16, float or float32"
+        )
     return DTYPES[dtype]
 
 
@@ -89,19 +97,29 @@ class ModelRunner:
         tree_core: str | None = None,
         disable_cuda_graph: bool = False,
         cuda_graph_max_bs: int | None = None,
+        trust_remote_code: bool = False,
     ) -> None:
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         self.device = resolve_device(device)
-        self.dtype = resolve_dtype(dtype, self.device)
         self.page_size = page_size
-        self.model_path = resolve_model_path(model_path)
+        self.model_path = resolve_model_path(model_path, trust_remote_code=trust_remote_code)
         self.tokenizer_path = self.model_path
-        self.model_config = self._resolve_config(context_length)
+        self.model_config = self._resolve_config(context_length, trust_remote_code)
+        self.dtype = resolve_dtype(dtype, self.device, self.model_config.torch_dtype)
+        logger.info(
+            "loading %s (%s, %d layers) on %s as %s",
+            self.model_path,
+            self.model_config.architecture,
+            self.model_config.num_layers,
+            self.device,
+            str(self.dtype).removeprefix("torch."),
+        )
         self.model = load_model(
             self.model_path, self.model_config, dtype=self.dtype, device=self.device
         )
         if self.device.type == "cpu":
+            logger.info("packing the linear weights for oneDNN")
             self.model.prepack()
         self._init_memory(max_total_tokens, mem_fraction_static, max_running_requests, tree_core)
         self.attention_backend_name = attention_backend or default_backend(self.device.type)
@@ -110,8 +128,8 @@ class ModelRunner:
         self.graph_runner = self._init_cuda_graphs(disable_cuda_graph, cuda_graph_max_bs)
 
     # ---------------------------------------------------------------- start-up
-    def _resolve_config(self, context_length: int | None) -> ModelConfig:
-        config = ModelConfig.from_pretrained(self.model_path)
+    def _resolve_config(self, context_length: int | None, trust_remote_code: bool) -> ModelConfig:
+        config = ModelConfig.from_pretrained(self.model_path, trust_remote_code=trust_remote_code)
         ctx = context_length or config.context_length
         if context_length is not None and context_length < 1:
             raise ValueError(f"context_length must be >= 1, got {context_length}")
@@ -151,6 +169,11 @@ class ModelRunner:
                 raise ValueError(f"mem_fraction_static must be in (0, 1), got {frac}")
             free, total = torch.cuda.mem_get_info(self.device)
             budget = int(free - total * (1 - frac))
+            logger.info(
+                "profiling memory: %.1f of %.1f GiB free after the weights; %.2f GiB for KV "
+                "(--mem-fraction-static %.2f)",
+                free / 2**30, total / 2**30, max(budget, 0) / 2**30, frac,
+            )  # fmt: skip
             num_slots = kv_slots_for_budget(budget, per_slot, ps)
         else:
             ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -165,6 +188,7 @@ class ModelRunner:
         if max_running_requests is not None and max_running_requests < 1:
             raise ValueError(f"max_running_requests must be >= 1, got {max_running_requests}")
         self.max_running_requests = max_running_requests or min(4096, max(16, num_slots // 32))
+        logger.info("building the KV pool: %d tokens", num_slots)
         self.kv_pool = KVPool(
             num_slots, ps, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device
         )

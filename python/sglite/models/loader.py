@@ -1,8 +1,11 @@
 """Checkpoint loading: find the HF folder, read its safetensors, build the model on a device.
 
 A model path is an HF folder (config.json, model.safetensors or shards listed in
-model.safetensors.index.json, tokenizer files) or a `.gguf` file, which is converted once to
-an HF folder in the cache (see sglite.models.gguf). Nothing is downloaded.
+model.safetensors.index.json, tokenizer files), a `.gguf` file, which is converted once to
+an HF folder in the cache (see sglite.models.gguf), or a Hugging Face repo id, resolved to
+its snapshot in the local Hub cache (downloaded when missing; see sglite.models.hub). The
+server resolves repo ids once, in its main process, so its children only see folders.
+Weights load with a progress bar over the checkpoint's tensors, then the load time is logged.
 """
 
 from __future__ import annotations
@@ -22,9 +25,12 @@ from sglite.models.registry import get_model_class
 logger = logging.getLogger(__name__)
 
 
-def resolve_model_path(model_path: str | Path | None) -> Path:
-    """The HF folder to load: the given folder, a converted .gguf, or the default SmolLM2."""
-    from sglite.models import gguf
+def resolve_model_path(
+    model_path: str | Path | None, *, revision: str | None = None, trust_remote_code: bool = False
+) -> Path:
+    """The HF folder to load: the given folder, a converted .gguf, the snapshot of a Hub
+    repo id, or the default SmolLM2."""
+    from sglite.models import gguf, hub
 
     if model_path is None:
         return gguf.default_model_path()
@@ -33,9 +39,13 @@ def resolve_model_path(model_path: str | Path | None) -> Path:
         return gguf.convert_gguf_to_hf(path)
     if path.is_dir():
         return path
+    if not path.exists() and hub.looks_like_repo_id(str(model_path)):
+        return hub.resolve_repo(
+            str(model_path), revision=revision, trust_remote_code=trust_remote_code
+        )
     raise FileNotFoundError(
-        f"model path {str(model_path)!r} is neither a folder nor a .gguf file; sglite does not "
-        "download models, pass a local Hugging Face folder (config.json, *.safetensors)"
+        f"model path {str(model_path)!r} is neither a folder, a .gguf file nor a Hugging Face "
+        "repo id (org/name); pass a local HF folder (config.json, *.safetensors)"
     )
 
 
@@ -56,13 +66,31 @@ def safetensors_files(path: Path) -> list[Path]:
     return files
 
 
-def iter_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_weights(path: Path, progress: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every (name, tensor) of the checkpoint; with `progress`, a progress bar over the
+    tensors (on stderr) that names the shard being read."""
     from safetensors import safe_open
+    from tqdm import tqdm
 
-    for file in safetensors_files(path):
+    files = safetensors_files(path)
+    size = sum(f.stat().st_size for f in files)
+    logger.info(
+        "loading weights: %d safetensors shard(s), %.2f GiB, from %s",
+        len(files),
+        size / 2**30,
+        path,
+    )
+    total = 0
+    for file in files:  # headers only: the bar knows its total from the start
         with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                yield name, f.get_tensor(name)
+            total += len(f.keys())
+    with tqdm(total=total, desc="Loading weights", unit="tensor", disable=not progress) as bar:
+        for i, file in enumerate(files):
+            bar.set_postfix_str(f"shard {i + 1}/{len(files)}", refresh=False)
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                    yield name, f.get_tensor(name)
+                    bar.update(1)
 
 
 def load_model(
@@ -72,11 +100,10 @@ def load_model(
     start = time.perf_counter()
     model_cls = get_model_class(config.architecture)
     model = model_cls(config, dtype=dtype, device=device)
-    model.load_weights(iter_weights(path))
+    model.load_weights(iter_weights(path, progress=True))
     model.eval()
     logger.info(
-        "loaded %s (%s, %s) in %.1fs",
-        path.name,
+        "loaded the weights (%s, %s) in %.1f s",
         config.architecture,
         dtype,
         time.perf_counter() - start,

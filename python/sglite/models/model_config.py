@@ -63,7 +63,9 @@ class ModelConfig:
     hf_config: Any = field(default=None, repr=False, compare=False)
 
     @classmethod
-    def from_pretrained(cls, model_path: str | Path) -> ModelConfig:
+    def from_pretrained(
+        cls, model_path: str | Path, trust_remote_code: bool = False
+    ) -> ModelConfig:
         from transformers import AutoConfig
 
         path = Path(model_path)
@@ -72,7 +74,7 @@ class ModelConfig:
                 f"{path} has no config.json; pass a Hugging Face model folder "
                 "(config.json, *.safetensors, tokenizer files)"
             )
-        hf = AutoConfig.from_pretrained(str(path))
+        hf = AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
         return cls.from_hf(hf, path)
 
     @classmethod

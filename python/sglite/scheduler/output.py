@@ -1,8 +1,9 @@
 """OutputStreamer: turns processed requests into BatchTokenOutput messages (token-id deltas).
 
-A finished request is emitted exactly once (with everything not yet sent); a streaming
-request is emitted every `stream_interval` tokens and on its first token; a non-streaming
-request only when it finishes.
+A finished request is emitted exactly once (with everything not yet sent); every request
+is emitted on its first token (the server's time to first token, and its count of waiting
+requests, rely on it, streamed or not); then a streaming request every `stream_interval`
+tokens, a non-streaming one only when it finishes.
 """
 
 from __future__ import annotations
@@ -28,9 +29,9 @@ class OutputStreamer:
             new = len(req.output_ids) - req.sent_len
             if req.finished:
                 pass
-            elif not req.stream or new <= 0:
+            elif new <= 0:
                 continue
-            elif req.first_output_sent and new < self.stream_interval:
+            elif req.first_output_sent and (not req.stream or new < self.stream_interval):
                 continue
             self._append(out, req)
         if out.rids:

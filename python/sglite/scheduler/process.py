@@ -62,7 +62,7 @@ def build_scheduler(
     """Load the model and build a Scheduler over it; returns (scheduler, ready info)."""
     import sglite.core
     from sglite.model_executor.model_runner import ModelRunner
-    from sglite.server.tokenizer import load_tokenizer
+    from sglite.server.tokenizer import tokenizer_for
 
     runner = ModelRunner(
         args.model_path,
@@ -77,8 +77,9 @@ def build_scheduler(
         tree_core=args.tree_core,
         disable_cuda_graph=args.disable_cuda_graph,
         cuda_graph_max_bs=args.cuda_graph_max_bs,
+        trust_remote_code=args.trust_remote_code,
     )
-    tokenizer = load_tokenizer(args.tokenizer_path or runner.tokenizer_path)
+    tokenizer = tokenizer_for(args, args.tokenizer_path or str(runner.tokenizer_path))
     sched = scheduler_for_runner(
         args,
         runner,
@@ -129,7 +130,7 @@ def run_scheduler_process(
     logger.info(
         "scheduler ready: %d KV tokens, tree core %s, %s loop",
         info["max_total_tokens"], info["tree_core"]["backend"],
-        "normal" if args.disable_overlap_schedule else "overlap",
+        "normal" if sched.args.disable_overlap_schedule else "overlap",
     )  # fmt: skip
 
     def recv(block: bool) -> list:

@@ -1,8 +1,12 @@
-"""The FastAPI app: native routes (/generate, health, info, cache, metrics) and OpenAI routes.
+"""The FastAPI app: native routes (/generate, health, info, cache, metrics, tokenize) and
+OpenAI routes, behind CORS (any origin unless --allowed-origins) and --api-key.
 
 All errors leave as JSON `{"error": {"message", "type", "param", "code"}}`: bad input is a
-400 naming the field (FastAPI's 422 included), an overloaded, stuck or dying server a 503. POST
-bodies are parsed as JSON whatever their Content-Type (curl -d sends form encoding).
+400 naming the field (FastAPI's 422 included), an unknown route a 404, a missing API key a
+401, an overloaded, stuck or dying server a 503 (with Retry-After when the waiting queue is
+full). POST bodies are parsed as JSON whatever their Content-Type (curl -d sends form
+encoding). /get_server_info has SGLang's flat shape: the server args, the model facts and
+the scheduler's stats at the top level, the stats again in `internal_states`.
 """
 
 from __future__ import annotations
@@ -18,10 +22,13 @@ from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from sglite.server import openai_api
+from sglite.server.auth import ApiKeyMiddleware
 from sglite.server.inputs import Prompt, RequestError
 from sglite.server.metrics import CONTENT_TYPE
 from sglite.server.protocol import (
@@ -31,6 +38,7 @@ from sglite.server.protocol import (
     GenerateRequest,
     error_body,
 )
+from sglite.server.tokenize_api import add_tokenize_routes
 from sglite.server.tokenizer_manager import TokenizerManager
 from sglite.version import __version__
 
@@ -91,6 +99,28 @@ def create_app(tm: TokenizerManager) -> FastAPI:
         await tm.close()
 
     app = FastAPI(title="sglite", version=__version__, lifespan=lifespan)
+    args = tm.server_args
+    if getattr(args, "api_key", None):
+        app.add_middleware(ApiKeyMiddleware, api_key=args.api_key)
+    origins = getattr(args, "cors_origins", ["*"])
+    app.add_middleware(  # added last: outermost, so preflights and 401s carry CORS headers
+        CORSMiddleware,
+        allow_origins=origins,
+        allow_credentials=origins != ["*"],
+        allow_methods=["*"],
+        allow_headers=["*"],
+    )
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+        if exc.status_code == 404:
+            message = f"no route {request.method} {request.url.path}; see the README for the API"
+        elif exc.status_code == 405:
+            message = f"{request.url.path} does not take {request.method}"
+        return JSONResponse(
+            error_body(message, exc.status_code), status_code=exc.status_code, headers=exc.headers
+        )
 
     @app.exception_handler(RequestValidationError)
     async def _on_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -100,8 +130,11 @@ def create_app(tm: TokenizerManager) -> FastAPI:
 
     @app.exception_handler(RequestError)
     async def _on_request_error(request: Request, exc: RequestError) -> JSONResponse:
+        retry_after = getattr(exc, "retry_after_s", None)
         return JSONResponse(
-            error_body(exc.message, exc.status_code, exc.param), status_code=exc.status_code
+            error_body(exc.message, exc.status_code, exc.param),
+            status_code=exc.status_code,
+            headers={"Retry-After": str(retry_after)} if retry_after is not None else None,
         )
 
     # ------------------------------------------------------------------ native
@@ -168,12 +201,16 @@ def create_app(tm: TokenizerManager) -> FastAPI:
     @app.get("/get_server_info")
     async def get_server_info() -> dict[str, Any]:
         stats = await tm.get_stats()
+        info = tm.model_info
         return {
+            **tm.server_args.to_dict(),
+            **info,
+            "max_total_num_tokens": info.get("max_total_tokens"),  # SGLang's name
+            "served_model_name": tm.served_model_name,
+            **stats,
+            "tree_core": stats.get("tree_core") or info.get("tree_core"),
+            "internal_states": [stats],
             "version": __version__,
-            "server_args": tm.server_args.to_dict(),
-            "model_info": tm.model_info,
-            "tree_core": stats.get("tree_core") or tm.model_info.get("tree_core"),
-            "scheduler_stats": stats,
         }
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
@@ -197,28 +234,40 @@ def create_app(tm: TokenizerManager) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
+        if not tm.metrics.enabled:
+            raise RequestError("metrics are off; start the server with --enable-metrics", 404)
         try:
             await tm.get_stats()
         except RequestError:
             logger.warning("/metrics: no scheduler stats (the scheduler did not answer)")
         return Response(tm.metrics.render(), media_type=CONTENT_TYPE)
 
+    add_tokenize_routes(app, tm, parse_body)
+
     # ------------------------------------------------------------------ OpenAI
+    def model_card() -> dict[str, Any]:
+        return {
+            "id": tm.served_model_name,
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": "sglite",
+            "root": tm.server_args.model_path,
+            "max_model_len": tm.context_length,
+        }
+
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": tm.served_model_name,
-                    "object": "model",
-                    "created": int(time.time()),
-                    "owned_by": "sglite",
-                    "root": tm.server_args.model_path,
-                    "max_model_len": tm.context_length,
-                }
-            ],
-        }
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model:path}")
+    async def retrieve_model(model: str) -> dict[str, Any]:
+        if model != tm.served_model_name:
+            raise RequestError(
+                f"model {model!r} not found; this server serves {tm.served_model_name!r}",
+                404,
+                param="model",
+            )
+        return model_card()
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:

@@ -46,17 +46,14 @@ def matched_stop(reason: dict[str, Any] | None) -> int | str | None:
 
 
 def check_model(tm: TokenizerManager, model: str) -> None:
-    """The served name, the model path, or "default" (what many OpenAI examples send)."""
-    names = {tm.served_model_name, tm.server_args.model_path, "default"}
-    if model not in names:
-        raise RequestError(
-            f"model: unknown model {model!r}; this server serves {tm.served_model_name!r}",
-            param="model",
-            status_code=400,
-        )
+    """Any value is accepted, as SGLang does: one server serves one model, and clients send
+    "default", the Hub id or whatever their config holds (responses carry the served name)."""
 
 
-def _usage(prompt_lens: list[int], outputs: list[dict[str, Any]]) -> UsageInfo:
+def _usage(
+    prompt_lens: list[int], outputs: list[dict[str, Any]], cache_report: bool = False
+) -> UsageInfo:
+    """Token counts; prefix-cache hits only with --enable-cache-report (SGLang's rule)."""
     prompt = sum(prompt_lens)
     completion = sum(o["meta_info"]["completion_tokens"] for o in outputs)
     cached = sum(o["meta_info"]["cached_tokens"] for o in outputs)
@@ -64,7 +61,7 @@ def _usage(prompt_lens: list[int], outputs: list[dict[str, Any]]) -> UsageInfo:
         prompt_tokens=prompt,
         completion_tokens=completion,
         total_tokens=prompt + completion,
-        prompt_tokens_details={"cached_tokens": cached},
+        prompt_tokens_details={"cached_tokens": cached} if cache_report else None,
     )
 
 
@@ -194,7 +191,7 @@ async def completions(
         for i, o in enumerate(outputs)
     ]
     return CompletionResponse(
-        model=tm.served_model_name, choices=choices, usage=_usage(lens, outputs)
+        model=tm.served_model_name, choices=choices, usage=_usage(lens, outputs, tm.cache_report)
     ).model_dump()
 
 
@@ -219,7 +216,7 @@ async def chat(
             )
         )
     return ChatCompletionResponse(
-        model=tm.served_model_name, choices=choices, usage=_usage(lens, outputs)
+        model=tm.served_model_name, choices=choices, usage=_usage(lens, outputs, tm.cache_report)
     ).model_dump()
 
 
@@ -357,7 +354,7 @@ async def _stream_events(
             if reason is not None:
                 finals[i] = out
         if include_usage and all(finals):
-            usage = _usage(lens, finals)
+            usage = _usage(lens, finals, tm.cache_report)
             cls: Any = ChatCompletionChunk if chat else CompletionChunk
             yield sse(
                 cls(id=rid, created=created, model=model, choices=[], usage=usage).model_dump(

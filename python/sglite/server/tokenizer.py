@@ -1,24 +1,71 @@
-"""Loading the Hugging Face tokenizer shared by the TokenizerManager and the detokenizer."""
+"""Loading the Hugging Face tokenizer shared by the TokenizerManager and the detokenizer, and
+the `--chat-template` that may replace its chat template."""
 
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any
 
 logger = logging.getLogger(__name__)
 
+TEMPLATE_MARKERS = ("{{", "{%")
 
-def load_tokenizer(path: str) -> Any:
-    """The fast HF tokenizer of a model folder; a clear error when there is none."""
+
+def load_tokenizer(path: str, *, mode: str = "auto", trust_remote_code: bool = False) -> Any:
+    """The HF tokenizer of a model folder (the fast one unless `mode` is "slow"); a clear
+    error when there is none."""
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(path)
+        return AutoTokenizer.from_pretrained(
+            path, use_fast=mode != "slow", trust_remote_code=trust_remote_code
+        )
     except (OSError, ValueError) as e:
         raise RuntimeError(
             f"could not load a tokenizer from {path!r} ({e}); pass --tokenizer-path "
             "to a folder with tokenizer.json / tokenizer_config.json"
+            + ("" if trust_remote_code else ", or --trust-remote-code if it ships its own code")
         ) from e
+
+
+def tokenizer_for(server_args: Any, path: str | None = None) -> Any:
+    """The tokenizer `server_args` asks for (its path, mode, remote-code permission)."""
+    return load_tokenizer(
+        path or server_args.tokenizer_path or server_args.model_path,
+        mode=server_args.tokenizer_mode,
+        trust_remote_code=server_args.trust_remote_code,
+    )
+
+
+def load_chat_template(value: str) -> str:
+    """The Jinja source `--chat-template value` names: a file's content, or the value
+    itself when it is a template. Raises ValueError (naming the flag) otherwise, or when
+    the template does not compile."""
+    import jinja2
+
+    path = Path(value).expanduser()
+    if path.is_file():
+        source = path.read_text(encoding="utf-8")
+    elif any(marker in value for marker in TEMPLATE_MARKERS):
+        source = value
+    else:
+        raise ValueError(
+            f"--chat-template: {value!r} is neither a file nor a Jinja template "
+            "(a template contains {{ ... }} or {% ... %})"
+        )
+    try:
+        jinja2.Environment().parse(source)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"--chat-template: not a valid Jinja template ({e})") from None
+    return source
+
+
+def apply_chat_template_override(tokenizer: Any, value: str | None) -> None:
+    """Give `tokenizer` the `--chat-template` (nothing to do without one)."""
+    if value:
+        tokenizer.chat_template = load_chat_template(value)
+        logger.info("chat template: from --chat-template")
 
 
 def eos_token_ids(tokenizer: Any) -> list[int]:

@@ -36,17 +36,25 @@ from sglite.messages import (
     GetStatsReq,
     StatsResp,
 )
-from sglite.sampling_params import model_sampling_defaults
+from sglite.sampling_params import SamplingParams, model_sampling_defaults
 from sglite.scheduler.watchdog import Heartbeat, stall_threshold
 from sglite.server.inputs import InputProcessor, Prompt, RequestError
 from sglite.server.logprob_format import LogprobLists, display_text, token_bytes
-from sglite.server.metrics import ServerMetrics
+from sglite.server.metrics import create_metrics
+from sglite.server.request_log import create_request_log
 
 logger = logging.getLogger(__name__)
 
 CONTROL_TIMEOUT_S = 10.0
 TOKEN_TEXT_CACHE = 1 << 17
 SEND_RETRY_S = 2.0  # the scheduler's connection may still be settling right after start-up
+RETRY_AFTER_S = 1  # what a client refused by --max-queued-requests is told to wait
+
+
+class QueueFullError(RequestError):
+    """The waiting queue is at --max-queued-requests: HTTP 503 with a Retry-After header."""
+
+    retry_after_s = RETRY_AFTER_S
 
 
 @dataclass
@@ -65,6 +73,8 @@ class ReqState:
     first_output: float | None = None
     last_output: float | None = None
     logprobs: LogprobLists | None = None  # return_logprob
+    prompt_text: str | None = None  # for --log-requests
+    sampling_params: SamplingParams | None = None
 
     @property
     def finished(self) -> bool:
@@ -95,7 +105,7 @@ class TokenizerManager:
         tokenizer: Any,
         ipc: IpcNames,
         *,
-        max_inflight: int | None = None,
+        max_queued_requests: int | None = None,
         heartbeat: Heartbeat | None = None,
     ):
         self.server_args = server_args
@@ -106,9 +116,18 @@ class TokenizerManager:
         self.vocab_size = int(model_info["vocab_size"])
         self.max_total_tokens = model_info.get("max_total_tokens")
         self.served_model_name = server_args.served_model_name or server_args.model_path
-        # beyond this a new request gets 503 instead of queueing forever
-        self.max_inflight = max_inflight or getattr(server_args, "max_queued_requests", 1024)
-        self.metrics = ServerMetrics(self.served_model_name)
+        # at this many waiting requests a new one gets 503 (None: no limit)
+        self.max_queued_requests = max_queued_requests or getattr(
+            server_args, "max_queued_requests", None
+        )
+        self.cache_report = bool(getattr(server_args, "enable_cache_report", False))
+        self.metrics = create_metrics(
+            getattr(server_args, "enable_metrics", False), self.served_model_name
+        )
+        self.request_log = create_request_log(
+            getattr(server_args, "log_requests", False),
+            getattr(server_args, "log_requests_level", 0),
+        )
         self.states: dict[str, ReqState] = {}
         self.inputs = InputProcessor(
             tokenizer,
@@ -185,6 +204,7 @@ class TokenizerManager:
         state.finished_reason = reason
         state.version += 1
         state.notify.set()
+        self.request_log.on_finish(state, time.perf_counter())
 
     def token_text(self, token_id: int) -> str:
         """One token's text, as log-prob entries show it (cached: ids repeat)."""
@@ -234,11 +254,11 @@ class TokenizerManager:
             if delta is not None and state.logprobs is not None:
                 state.logprobs.add(delta)
             if new_ids:
-                # Latencies are only meaningful for streamed requests: the others get their
-                # tokens in one piece when they finish.
+                # Every request's first token is sent as soon as it exists, streamed or not;
+                # a non-streamed request's other tokens then arrive together at its finish.
                 first = state.first_output is None
-                ttft = now - state.created if first and state.stream else None
-                since = now - state.last_output if state.stream and not first else None
+                ttft = now - state.created if first else None
+                since = None if first else now - state.last_output
                 self.metrics.on_tokens(len(new_ids), since, ttft)
                 state.first_output = state.first_output or now
                 state.last_output = now
@@ -247,6 +267,7 @@ class TokenizerManager:
             if reason is not None:
                 state.finished_reason = reason
                 self.metrics.on_finish(state.prompt_len, now - state.created)
+                self.request_log.on_finish(state, now)
                 del self.states[rid]
             state.notify.set()
 
@@ -264,17 +285,36 @@ class TokenizerManager:
                     raise RequestError("the scheduler is not reachable", 503) from None
                 await asyncio.sleep(0.01)
 
+    @property
+    def num_waiting(self) -> int:
+        """Requests sent to the scheduler that have no output token yet (queued, or in their
+        first prefill): what --max-queued-requests limits."""
+        return sum(1 for s in self.states.values() if s.first_output is None)
+
     async def submit(self, prompts: Sequence[Prompt], stream: bool) -> list[ReqState]:
+        """Send `prompts` (one submission: a batch is refused or accepted as a whole, and
+        never for its own size) and return their states."""
         if self.dead_reason is not None:
             raise RequestError(f"the server is shutting down: {self.dead_reason}", 503)
-        if len(self.states) + len(prompts) > self.max_inflight:
-            raise RequestError(
-                f"the server is overloaded ({len(self.states)} requests in "
-                f"flight, limit {self.max_inflight}); retry later",
+        limit = self.max_queued_requests
+        if limit is not None and self.num_waiting >= limit:
+            raise QueueFullError(
+                f"the server is overloaded: {self.num_waiting} requests are waiting "
+                f"(--max-queued-requests {limit}); retry in {RETRY_AFTER_S} s",
                 503,
             )
         notify = asyncio.Event()
-        states = [ReqState(p.rid, len(p.input_ids), stream, notify) for p in prompts]
+        states = [
+            ReqState(
+                p.rid,
+                len(p.input_ids),
+                stream,
+                notify,
+                prompt_text=p.input_text,
+                sampling_params=p.sampling_params,
+            )
+            for p in prompts
+        ]
         for p, state in zip(prompts, states):
             if p.logprob is not None:
                 state.logprobs = LogprobLists(p.logprob, self.token_text)

@@ -1,0 +1,157 @@
+"""The command line as copied from SGLang's docs: its flags parse to the same meanings,
+flags sglite lacks are refused by name, bad values are refused with the flag's name;
+--dtype auto, --chat-template and --tokenizer-mode resolve as documented."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sglite.cli import parse_server_args
+from sglite.config import ServerArgs
+from sglite.model_executor.model_runner import resolve_dtype
+
+
+def _refused(argv: list[str], capsys) -> str:
+    with pytest.raises(SystemExit) as e:
+        parse_server_args(argv, prog="launch_server")
+    assert e.value.code == 2
+    return capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv,flag,what",
+    [
+        (["--quantization", "fp8"], "--quantization", "quantization"),
+        (["--dp-size", "2"], "--dp-size", "data parallelism"),
+        (["--dp=2"], "--dp", "data parallelism"),
+        (["--speculative-algorithm", "EAGLE"], "--speculative-algorithm", "speculative"),
+        (["--speculative-num-steps", "3"], "--speculative-num-steps", "speculative"),
+        (["--lora-paths", "a=/x"], "--lora-paths", "LoRA"),
+        (["--enable-lora"], "--enable-lora", "LoRA"),
+        (["--kv-cache-dtype", "fp8_e5m2"], "--kv-cache-dtype", "KV cache dtype"),
+        (["--enable-dp-attention"], "--enable-dp-attention", "data-parallel attention"),
+    ],
+)
+def test_sglang_flags_without_support_are_refused_by_name(argv, flag, what, capsys):
+    err = _refused(["--model-path", "m", *argv], capsys)
+    assert f"{flag}: sglite does not support" in err and what in err
+    assert "unrecognized arguments" not in err
+
+
+def test_sglang_flags_with_a_no_op_value_are_accepted():
+    args = parse_server_args(
+        "--model-path m --kv-cache-dtype auto --dp-size 1 --dp=1 --load-format safetensors "
+        "--pp-size 1 --port 31000".split()
+    )
+    assert args.model_path == "m" and args.port == 31000
+
+
+def test_unknown_flags_still_get_argparse_message(capsys):
+    err = _refused(["--no-such-flag"], capsys)
+    assert "unrecognized arguments: --no-such-flag" in err
+
+
+def test_the_sglang_quick_start_command_parses():
+    args = parse_server_args(
+        "--model-path Qwen/Qwen3-0.6B --port 30000 --api-key K --enable-metrics "
+        "--log-requests --log-requests-level 2 --enable-cache-report --max-queued-requests 8 "
+        "--revision main --tokenizer-mode slow --trust-remote-code --dtype half "
+        "--chat-template t.jinja --allowed-origins https://a.example,https://b.example "
+        "--tp 1".split()
+    )
+    assert args.model_path == "Qwen/Qwen3-0.6B" and args.port == 30000
+    assert args.api_key == "K" and args.enable_metrics and args.log_requests
+    assert args.log_requests_level == 2 and args.enable_cache_report
+    assert args.max_queued_requests == 8 and args.revision == "main"
+    assert args.tokenizer_mode == "slow" and args.trust_remote_code and args.dtype == "half"
+    assert args.chat_template == "t.jinja" and args.tp_size == 1
+    assert args.cors_origins == ["https://a.example", "https://b.example"]
+
+
+def test_defaults_follow_sglang():
+    args = parse_server_args([])
+    assert args.max_queued_requests is None  # unlimited
+    assert not args.enable_metrics and not args.log_requests and not args.enable_cache_report
+    assert args.api_key is None and args.cors_origins == ["*"] and args.dtype == "auto"
+    assert args.tp_size == 1 and args.log_requests_level == 0
+
+
+@pytest.mark.parametrize(
+    "argv,words",
+    [
+        (["--max-queued-requests", "0"], "--max-queued-requests"),
+        (["--api-key", " "], "--api-key"),
+        (["--allowed-origins", " , "], "--allowed-origins"),
+        (["--tp", "2"], "--tp-size"),
+        (["--log-requests-level", "4"], "--log-requests-level"),
+        (["--dtype", "int8"], "--dtype"),
+        (["--tokenizer-mode", "fast"], "--tokenizer-mode"),
+    ],
+)
+def test_bad_values_name_the_flag(argv, words, capsys):
+    assert words in _refused(argv, capsys)
+
+
+def test_server_info_dict_masks_the_api_key():
+    assert ServerArgs(api_key="secret").to_dict()["api_key"] == "***"
+    assert ServerArgs().to_dict()["api_key"] is None
+
+
+@pytest.mark.parametrize(
+    "dtype,device,checkpoint,expected",
+    [
+        ("auto", "cpu", "bfloat16", torch.float32),  # CPU: fp32 whatever the checkpoint
+        ("auto", "cpu", "float16", torch.float32),
+        ("auto", "cuda", "bfloat16", torch.bfloat16),  # CUDA: SGLang's rule
+        ("auto", "cuda", "float32", torch.float16),
+        ("auto", "cuda", "float16", torch.float16),
+        ("auto", "cuda", None, torch.float16),
+        ("half", "cpu", None, torch.float16),
+        ("float", "cuda", "bfloat16", torch.float32),
+        ("bfloat16", "cpu", "float32", torch.bfloat16),
+    ],
+)
+def test_dtype_resolution(dtype, device, checkpoint, expected):
+    assert resolve_dtype(dtype, torch.device(device), checkpoint) == expected
+
+
+def test_every_dtype_choice_resolves():
+    choices = ServerArgs.__dataclass_fields__["dtype"].metadata["choices"]
+    assert set(choices) == {"auto", "half", "float16", "bfloat16", "float", "float32"}
+    for choice in choices:
+        assert isinstance(resolve_dtype(choice, torch.device("cpu")), torch.dtype)
+
+
+def test_chat_template_from_file_or_string(tmp_path):
+    from sglite.server.tokenizer import load_chat_template
+
+    source = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    path = tmp_path / "t.jinja"
+    path.write_text(source)
+    assert load_chat_template(str(path)) == source
+    assert load_chat_template(source) == source
+    with pytest.raises(ValueError, match="--chat-template: .* neither a file nor"):
+        load_chat_template(str(tmp_path / "missing.jinja"))
+    with pytest.raises(ValueError, match="--chat-template: not a valid Jinja"):
+        load_chat_template("{% for m in messages %}")
+
+
+def test_tokenizer_options_reach_transformers(monkeypatch):
+    import transformers
+
+    from sglite.server.tokenizer import tokenizer_for
+
+    calls = []
+    monkeypatch.setattr(
+        transformers.AutoTokenizer,
+        "from_pretrained",
+        lambda path, **kw: calls.append((path, kw)) or object(),
+    )
+    args = ServerArgs(model_path="/m", tokenizer_mode="slow", trust_remote_code=True)
+    tokenizer_for(args)
+    tokenizer_for(ServerArgs(model_path="/m", tokenizer_path="/t"))
+    assert calls == [
+        ("/m", {"use_fast": False, "trust_remote_code": True}),
+        ("/t", {"use_fast": True, "trust_remote_code": False}),
+    ]
