@@ -173,3 +173,24 @@ def text_bytes(text: str) -> list[int]:
         except ValueError:
             pass
     return list(text.encode("utf-8"))
+
+
+class TokenTexts:
+    """Token id -> the text log-prob entries show for it (cached: ids repeat)."""
+
+    MAX_CACHED = 1 << 17
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._cache.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            if "\ufffd" in text:  # part of a character: show its bytes
+                piece = self.tokenizer.convert_ids_to_tokens(token_id)
+                text = display_text(text, token_bytes(piece) if isinstance(piece, str) else None)
+            if len(self._cache) < self.MAX_CACHED:
+                self._cache[token_id] = text
+        return text

@@ -4,7 +4,7 @@ It lives in the main process, on the asyncio loop of the HTTP server (or of the 
 Engine's thread). Every request is checked once, by `self.inputs` (server/inputs.py), before
 anything is sent: a bad one raises `RequestError` (HTTP 400 with a message naming the
 field); an overloaded or dying server raises it with 503. Each sent request has a
-`ReqState` that the receive loop fills from the detokenizer's BatchTextOutput; callers wait
+`ReqState` (server/req_state.py) that the receive loop fills from the detokenizer's BatchTextOutput; callers wait
 on the event shared by the requests they submitted together. A caller that goes away
 (client disconnect, cancelled task) aborts its unfinished requests, each by its exact id: a
 prefix abort (SGLang's /abort_request) would also hit every request whose id extends it.
@@ -20,7 +20,6 @@ import logging
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
@@ -36,17 +35,17 @@ from sglite.messages import (
     GetStatsReq,
     StatsResp,
 )
-from sglite.sampling_params import SamplingParams, model_sampling_defaults
+from sglite.sampling_params import model_sampling_defaults
 from sglite.scheduler.watchdog import Heartbeat, stall_threshold
 from sglite.server.inputs import InputProcessor, Prompt, RequestError
-from sglite.server.logprob_format import LogprobLists, display_text, token_bytes
+from sglite.server.logprob_format import LogprobLists, TokenTexts
 from sglite.server.metrics import create_metrics
+from sglite.server.req_state import ReqState
 from sglite.server.request_log import create_request_log
 
 logger = logging.getLogger(__name__)
 
 CONTROL_TIMEOUT_S = 10.0
-TOKEN_TEXT_CACHE = 1 << 17
 SEND_RETRY_S = 2.0  # the scheduler's connection may still be settling right after start-up
 RETRY_AFTER_S = 1  # what a client refused by --max-queued-requests is told to wait
 
@@ -55,44 +54,6 @@ class QueueFullError(RequestError):
     """The waiting queue is at --max-queued-requests: HTTP 503 with a Retry-After header."""
 
     retry_after_s = RETRY_AFTER_S
-
-
-@dataclass
-class ReqState:
-    rid: str
-    prompt_len: int
-    stream: bool
-    notify: asyncio.Event  # shared by the requests submitted together
-    created: float = field(default_factory=time.perf_counter)
-    text: str = ""
-    output_ids: list[int] = field(default_factory=list)
-    finished_reason: dict[str, Any] | None = None
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-    version: int = 0  # bumped on every output
-    first_output: float | None = None
-    last_output: float | None = None
-    logprobs: LogprobLists | None = None  # return_logprob
-    prompt_text: str | None = None  # for --log-requests
-    sampling_params: SamplingParams | None = None
-
-    @property
-    def finished(self) -> bool:
-        return self.finished_reason is not None
-
-    def snapshot(self) -> dict[str, Any]:
-        meta: dict[str, Any] = {
-            "id": self.rid,
-            "finish_reason": self.finished_reason,
-            "prompt_tokens": self.prompt_len,
-            "completion_tokens": self.completion_tokens,
-            "cached_tokens": self.cached_tokens,
-        }
-        if self.finished:
-            meta["e2e_latency"] = (self.last_output or time.perf_counter()) - self.created
-        if self.logprobs is not None:
-            meta.update(self.logprobs.meta())
-        return {"text": self.text, "output_ids": list(self.output_ids), "meta_info": meta}
 
 
 class TokenizerManager:
@@ -144,7 +105,7 @@ class TokenizerManager:
             FlushCacheResp: deque(),
             StatsResp: deque(),
         }
-        self._token_texts: dict[int, str] = {}
+        self.token_texts = TokenTexts(tokenizer)  # log-prob entries' token texts
         self._recv_task: asyncio.Task | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
 
@@ -205,18 +166,6 @@ class TokenizerManager:
         state.version += 1
         state.notify.set()
         self.request_log.on_finish(state, time.perf_counter())
-
-    def token_text(self, token_id: int) -> str:
-        """One token's text, as log-prob entries show it (cached: ids repeat)."""
-        text = self._token_texts.get(token_id)
-        if text is None:
-            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
-            if "\ufffd" in text:  # part of a character: show its bytes
-                piece = self.tokenizer.convert_ids_to_tokens(token_id)
-                text = display_text(text, token_bytes(piece) if isinstance(piece, str) else None)
-            if len(self._token_texts) < TOKEN_TEXT_CACHE:
-                self._token_texts[token_id] = text
-        return text
 
     # ------------------------------------------------------------------ receiving
     async def _recv_loop(self) -> None:
@@ -317,7 +266,7 @@ class TokenizerManager:
         ]
         for p, state in zip(prompts, states):
             if p.logprob is not None:
-                state.logprobs = LogprobLists(p.logprob, self.token_text)
+                state.logprobs = LogprobLists(p.logprob, self.token_texts)
         for state in states:
             self.states[state.rid] = state
         try:
