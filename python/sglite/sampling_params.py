@@ -7,16 +7,24 @@ Construct it directly (`SamplingParams(temperature=0.7)`) or from a request body
 Penalty semantics (shared with `sglite.model_executor.sampler`): `frequency_penalty` and
 `presence_penalty` act on the tokens generated so far (OpenAI/vLLM semantics);
 `repetition_penalty` acts on the prompt and the generated tokens (transformers semantics).
+
+Structured output (SGLang's names; at most one per request): `json_schema` (a JSON Schema as a
+JSON string), `regex`, `ebnf` (a GBNF-style grammar with a `root` rule). The output then
+follows the grammar (sglite.constrained); the request finishes when the grammar is complete and
+the model emits EOS, or by max_new_tokens / stop strings as usual. `min_new_tokens` cannot be
+combined with one: the grammar decides where the output may end.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, fields
 from typing import Any
 
 # Below this temperature a request is sampled greedily (SGLang uses the same threshold).
 GREEDY_TEMPERATURE = 1e-6
+GRAMMAR_KINDS = ("json_schema", "regex", "ebnf")
 
 
 def _is_int(value: Any) -> bool:
@@ -60,6 +68,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
     seed: int | None = None
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_new_tokens) or self.max_new_tokens < 0:
@@ -95,6 +106,7 @@ class SamplingParams:
         _check_bool("no_stop_trim", self.no_stop_trim)
         if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed must be an integer or null, got {self.seed!r}")
+        self._check_grammar()
 
     def _check_stop(self) -> None:
         stop = self.stop
@@ -104,6 +116,31 @@ class SamplingParams:
         if not isinstance(items, (list, tuple)) or not all(isinstance(s, str) and s for s in items):
             raise ValueError(
                 f"stop must be a non-empty string or a list of non-empty strings, got {stop!r}"
+            )
+
+    def _check_grammar(self) -> None:
+        given = [k for k in GRAMMAR_KINDS if getattr(self, k) is not None]
+        if len(given) > 1:
+            raise ValueError(f"give at most one of json_schema, regex and ebnf, got {given}")
+        if not given:
+            return
+        kind, text = given[0], getattr(self, given[0])
+        if not isinstance(text, str) or not text.strip():
+            raise ValueError(f"{kind} must be a non-empty string, got {text!r}")
+        if kind == "json_schema":
+            try:
+                schema = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"json_schema: invalid schema: not valid JSON ({e})") from None
+            if not isinstance(schema, (dict, bool)):
+                raise ValueError(
+                    "json_schema: invalid schema: a schema is a JSON object (or true/false), "
+                    f"got {type(schema).__name__}"
+                )
+        if self.min_new_tokens:
+            raise ValueError(
+                f"min_new_tokens cannot be combined with {kind}: the grammar decides where "
+                "the output may end"
             )
 
     @classmethod
@@ -136,6 +173,15 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
+
+    @property
+    def grammar_key(self) -> tuple[str, str] | None:
+        """(kind, text) of the request's grammar, or None when unconstrained."""
+        for kind in GRAMMAR_KINDS:
+            text = getattr(self, kind)
+            if text is not None:
+                return kind, text
+        return None
 
     @property
     def stop_strs(self) -> tuple[str, ...]:

@@ -16,6 +16,7 @@ from enum import StrEnum
 
 import numpy as np
 
+from sglite.constrained.matching import GrammarRows, grammar_rows
 from sglite.sampling_params import SamplingParams
 from sglite.scheduler.req import Req
 
@@ -43,6 +44,7 @@ class ForwardInput:
     # penalty context, only for rows that use penalties (else None): prompt and output ids
     penalty_tokens: list[tuple[list[int], list[int]] | None]
     table_rows: np.ndarray | None = None  # row contents to copy when the table is mirrored
+    vocab_mask: GrammarRows | None = None  # constrained rows: their matchers give the token mask
 
     @property
     def batch_size(self) -> int:
@@ -58,6 +60,7 @@ class ScheduleBatch:
     epochs: list[int] = field(default_factory=list)
     future_slots: np.ndarray | None = None
     out_cache_loc: np.ndarray | None = None
+    has_grammar: bool = False  # launched with constrained rows (set by Scheduler.launch)
 
     sample_mask: list[bool] = field(default_factory=list)
 
@@ -113,6 +116,7 @@ class ScheduleBatch:
             sampling_params=params,
             future_slots=self.future_slots,
             penalty_tokens=penalty,
+            vocab_mask=grammar_rows(reqs, self.sample_mask),
         )
 
     def input_ids(self, future_of: dict[int, int]) -> np.ndarray:

@@ -59,6 +59,8 @@ class Req:
     first_output_sent: bool = False
     finish_sent: bool = False
     wait_since_processed: int = 0  # processed-token counter at arrival (HRRN aging)
+    # structured output: the matcher (sglite.constrained), set once the grammar compiled
+    grammar: Any = None
 
     def __post_init__(self) -> None:
         # the prompt as one int64 array: the tree core and the forward read it without copies

@@ -25,6 +25,9 @@ from typing import Any
 import numpy as np
 
 from sglite.config import ServerArgs
+from sglite.constrained import GrammarBackend, NullGrammarBackend
+from sglite.constrained.grammar_queue import GrammarQueue
+from sglite.constrained.matching import accept_token
 from sglite.mem_cache.cache_manager import CacheManager
 from sglite.messages import (
     AbortReq,
@@ -63,6 +66,7 @@ class Scheduler:
         send: Callable[[object], None],
         send_control: Callable[[object], None] | None = None,
         watchdog: NullWatchdog | None = None,
+        grammar_backend: GrammarBackend | None = None,
     ):
         self.args = args
         self.core = core
@@ -79,6 +83,10 @@ class Scheduler:
         self.streamer = OutputStreamer(send, args.stream_interval)
         self.send_control = send_control or send
         self.waiting: list[Req] = []
+        # constrained requests wait here for their grammar before they may be admitted
+        self.grammars = GrammarQueue(
+            grammar_backend or NullGrammarBackend(), args.grammar_compile_timeout
+        )
         self.running: list[Req] = []
         self.future_of: dict[int, int] = {}  # id(req) -> future slot of its in-flight token
         self.pending: tuple[ScheduleBatch, Launched] | None = None  # overlap: launched, unprocessed
@@ -118,14 +126,14 @@ class Scheduler:
 
     def step_overlap(self) -> bool:
         self.watchdog.busy("scheduling")
-        if (
-            self.pending
-            and self.pending[0].is_extend
-            and (self.waiting or self.prefill.chunked_req)
+        if self.pending and (
+            (self.pending[0].is_extend and (self.waiting or self.prefill.chunked_req))
+            or self.pending[0].has_grammar
         ):
             # Maybe a second prefill in a row: process the first's result before building the
             # next batch, so its token is not delayed behind another long forward (and the new
-            # batch is built only from requests still alive after that result).
+            # batch is built only from requests still alive after that result). Constrained
+            # rows: their matchers must see their last token before their next mask is built.
             self._process_pending()
         batch = self.get_next_batch_to_run()
         launched = self.launch(batch) if batch is not None else None
@@ -152,6 +160,7 @@ class Scheduler:
             or self.pending
             or self.prefill.chunked_req
             or self.releasing
+            or self.grammars
         )
 
     def frees_in_flight(self) -> bool:
@@ -182,7 +191,10 @@ class Scheduler:
             self.counters["num_rejected_reqs"] += 1
             self._refuse(req, 400, error)
             return req
-        self.waiting.append(req)
+        if req.sampling_params.grammar_key is not None:
+            self.grammars.add(req)  # the grammar gate: admitted once its grammar compiled
+        else:
+            self.waiting.append(req)
         return req
 
     def abort(
@@ -194,7 +206,7 @@ class Scheduler:
         def hit(r: Req) -> bool:
             return abort_all or (r.rid == rid if exact else r.rid.startswith(rid))
 
-        victims = [r for r in self.waiting if hit(r)]
+        victims = [r for r in self.waiting if hit(r)] + self.grammars.remove(hit)
         if victims:
             self.waiting = [r for r in self.waiting if not hit(r)]
         chunked = self.prefill.chunked_req
@@ -211,12 +223,21 @@ class Scheduler:
 
     # ---------------------------------------------------------------- batches
     def get_next_batch_to_run(self) -> ScheduleBatch | None:
+        if self.grammars:
+            self._admit_compiled()
         batch = self.prefill.get_new_batch(self.waiting, self.running, self.processed_tokens)
         if batch is None:
             batch = self._decode_batch()
         if batch is None and self.waiting and not self._holds_kv():
             self._refuse_head()
         return batch
+
+    def _admit_compiled(self) -> None:
+        ready, refused = self.grammars.poll()
+        self.waiting += ready
+        for r in refused:
+            self.counters["num_rejected_reqs"] += 1
+            self._refuse(r.req, r.status_code, r.message)
 
     def _decode_batch(self) -> ScheduleBatch | None:
         step = self.decode.get_batch(self.running, self.prefill.chunked_req, self.frees_in_flight())
@@ -268,6 +289,7 @@ class Scheduler:
     def launch(self, batch: ScheduleBatch) -> Launched:
         batch.future_slots = self.client.future_slots(len(batch.reqs))
         fi = batch.forward_input(self.future_of)
+        batch.has_grammar = fi.vocab_mask is not None
         for req, slot, samples in zip(batch.reqs, batch.future_slots.tolist(), batch.sample_mask):
             req.in_flight += 1
             if samples:
@@ -328,7 +350,8 @@ class Scheduler:
             return
         req.output_ids.append(token)
         self.counters["num_generated_tokens_total"] += 1
-        reason = self.stop_checker.check(req)
+        reason = accept_token(req, token) if req.grammar is not None else None
+        reason = reason or self.stop_checker.check(req)
         if reason is not None:
             self.finish(req, reason)
         elif not batch.is_decode[i]:
@@ -352,6 +375,8 @@ class Scheduler:
 
     def on_idle(self) -> None:
         if self.has_work():
+            if self.grammars:  # no batch to run: give the compile threads the CPU
+                self.grammars.wait()
             return
         self.decode.ratio.reset()
         if self.args.debug_invariants:
@@ -374,7 +399,10 @@ class Scheduler:
             **c,
             **self.cache.kv_stats(),
             "num_running_reqs": len(self.running),
-            "num_waiting_reqs": len(self.waiting) + (self.prefill.chunked_req is not None),
+            "num_waiting_reqs": len(self.waiting)
+            + len(self.grammars)
+            + (self.prefill.chunked_req is not None),
+            **self.grammars.stats(),
             "cache_hit_rate": c["num_cached_tokens_total"] / prompt if prompt else 0.0,
             "waiting_hit_tokens": self.policy.waiting_hit_tokens(self.waiting),
             "new_token_ratio": self.decode.ratio.value,
