@@ -8,6 +8,7 @@ bitmask). Nothing here imports xgrammar or torch at import time.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -20,6 +21,7 @@ from sglite.constrained.base import (
 )
 
 GRAMMAR_BACKENDS = ("xgrammar", "none")
+EDGE_CHECK_CACHE_SIZE = 256
 
 __all__ = [
     "GRAMMAR_BACKENDS",
@@ -51,9 +53,10 @@ def create_backend(
 
 def edge_check(name: str) -> Callable[[GrammarKey], None]:
     """The check the server runs on a grammar before sending its request (raises GrammarError):
-    a syntax check without the vocabulary, the same one the backend's compile starts with."""
+    a syntax check without the vocabulary, the same one the backend's compile starts with.
+    Grammars that passed are remembered (a bounded LRU), so repeats cost a lookup."""
     if name == "none":
         return NullGrammarBackend().check
     from sglite.constrained import xgrammar_backend
 
-    return xgrammar_backend.check
+    return functools.lru_cache(maxsize=EDGE_CHECK_CACHE_SIZE)(xgrammar_backend.check)

@@ -26,6 +26,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from sglite.constrained import edge_check
 from sglite.ipc import AsyncReceiver, IpcNames, Sender
 from sglite.messages import (
     AbortReq,
@@ -111,6 +112,7 @@ class TokenizerManager:
             max_total_tokens=self.max_total_tokens,
             page_size=server_args.page_size,
             is_rid_free=lambda r: r not in self.states,
+            check_grammar=edge_check(getattr(server_args, "grammar_backend", "xgrammar")),
         )
         self.dead_reason: str | None = None  # set when a child process died
         self.heartbeat = heartbeat or Heartbeat()  # when the scheduler's current step began
