@@ -272,3 +272,29 @@ def test_grammar_backend_none_refuses_constrained_requests(setup):
     assert got["c"]["finish"]["status_code"] == 400
     assert "disabled on this server (--grammar-backend none)" in got["c"]["finish"]["message"]
     assert len(got["u"]["ids"]) == 4
+
+
+def test_smollm2_answers_in_json(smollm2_dir):
+    """A real model and vocabulary (49152 tokens): the schema's answer is the right one."""
+    from sglite.server.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(str(smollm2_dir))
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+
+    def chat(question: str) -> list[int]:
+        messages = [{"role": "user", "content": question}]
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return tok.encode(text, add_special_tokens=False)
+
+    json_sp = SamplingParams(max_new_tokens=32, temperature=0, json_schema=json.dumps(schema))
+    regex_sp = SamplingParams(max_new_tokens=8, temperature=0, regex="(Yes|No)[.!]")
+    reqs = [
+        ("json", chat("Which city is the capital of France? Answer in JSON."), json_sp, None),
+        ("regex", chat("Is Paris in France? Answer yes or no."), regex_sp, None),
+    ]
+    got, _ = run(smollm2_dir, tok, reqs, overlap=False)
+    eos = got["json"]["ids"][-1]
+    assert got["json"]["finish"] == {"type": "stop", "matched": eos}
+    assert json.loads(got["json"]["text"]) == {"city": "Paris"}
+    assert re.fullmatch(r"(Yes|No)[.!]", got["regex"]["text"])
+    assert got["regex"]["finish"] == {"type": "stop", "matched": eos}

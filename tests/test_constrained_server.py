@@ -214,3 +214,24 @@ def test_grammar_backend_none_is_400(tmp_path_factory):
         assert ok.status_code == 200
     finally:
         server.stop()
+
+
+def test_engine_structured_output(tiny_model_dir):
+    import sglite
+
+    with sglite.Engine(
+        model_path=str(tiny_model_dir("llama")), max_total_tokens=2048, log_level="warning"
+    ) as engine:
+        sp = {
+            "max_new_tokens": 120,
+            "temperature": 0.9,
+            "seed": 2,
+            "json_schema": json.dumps(SCHEMA),
+        }
+        outs = engine.generate(["The river town", "Fishermen"], sp)
+        for out in outs:
+            assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": EOS}
+            jsonschema.validate(json.loads(out["text"]), SCHEMA)
+        with pytest.raises(ValueError, match="regex: invalid regex: .*not closed"):
+            engine.generate("x", {"regex": "a(b"})
+        assert engine.generate("x", {"regex": "done", "temperature": 0})["text"] == "done"

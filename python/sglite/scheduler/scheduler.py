@@ -4,7 +4,9 @@ Each tick: receive messages -> pick the next batch (prefill first, else decode) 
 process its results. `step_normal` runs each batch to completion before the next;
 `step_overlap` launches batch N+1 before processing the result of batch N (results one step
 late; finished requests are never streamed twice nor decoded again). Admission lives in
-prefill.py, decode memory and retraction in decode.py, streaming in output.py.
+prefill.py, decode memory and retraction in decode.py, streaming in output.py. Constrained
+requests wait in `grammars` for their grammar (sglite.constrained); the overlap loop processes a
+launched batch with constrained rows before it builds the next one.
 
 Lifetime of a request's KV in the overlap loop: a launched batch reads its requests' rows of
 the request table (on CPU the very table the scheduler writes) until its result is processed.
@@ -85,7 +87,8 @@ class Scheduler:
         self.waiting: list[Req] = []
         # constrained requests wait here for their grammar before they may be admitted
         self.grammars = GrammarQueue(
-            grammar_backend or NullGrammarBackend(), args.grammar_compile_timeout
+            grammar_backend or NullGrammarBackend("this scheduler has no grammar backend"),
+            args.grammar_compile_timeout,
         )
         self.running: list[Req] = []
         self.future_of: dict[int, int] = {}  # id(req) -> future slot of its in-flight token
