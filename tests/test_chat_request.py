@@ -11,7 +11,6 @@ import pytest
 
 from sglite.parsers import CallArgs, CallStart, RequiredCallsParser, merge_events
 from sglite.parsers.constrained import named_schema, required_schema
-from sglite.server import chat_request
 from sglite.server.chat_request import plan_chat
 from sglite.server.inputs import RequestError
 from sglite.server.protocol import ChatCompletionRequest
@@ -53,12 +52,6 @@ def _plan(tool_call_parser="qwen", reasoning_parser=None, **body):
     )
 
 
-@pytest.fixture
-def grammar(monkeypatch):
-    """Plan as if the grammar backend (SamplingParams.json_schema) were there."""
-    monkeypatch.setattr(chat_request, "grammar_backend_available", lambda: True)
-
-
 # ---------------------------------------------------------------------- tool_choice
 def test_auto_parses_with_the_server_parser():
     plan = _plan(tools=[WEATHER, CLOCK])
@@ -85,7 +78,7 @@ def test_no_tools():
     assert plan.tool_mode == "off" and plan.template_tools is None and plan.sampling == {}
 
 
-def test_named_function(grammar):
+def test_named_function():
     plan = _plan(
         tools=[WEATHER, CLOCK], tool_choice={"type": "function", "function": {"name": "get_time"}}
     )
@@ -94,30 +87,11 @@ def test_named_function(grammar):
     assert json.loads(plan.sampling["json_schema"]) == CLOCK["function"]["parameters"]
 
 
-def test_required(grammar):
+def test_required():
     plan = _plan(tools=[WEATHER, CLOCK], tool_choice="required", parallel_tool_calls=False)
     assert plan.tool_mode == "required" and plan.template_tools == [WEATHER, CLOCK]
     schema = json.loads(plan.sampling["json_schema"])
     assert schema == required_schema([WEATHER, CLOCK], parallel=False)
-
-
-@pytest.mark.parametrize(
-    "choice", ["required", {"type": "function", "function": {"name": "get_weather"}}]
-)
-def test_forcing_needs_the_grammar_backend(monkeypatch, choice):
-    monkeypatch.setattr(chat_request, "grammar_backend_available", lambda: False)
-    with pytest.raises(RequestError, match="needs the grammar backend") as e:
-        _plan(tools=[WEATHER], tool_choice=choice)
-    assert e.value.param == "tool_choice" and e.value.status_code == 400
-
-
-def test_grammar_backend_is_detected_from_sampling_params():
-    import dataclasses
-
-    from sglite.sampling_params import SamplingParams
-
-    names = {f.name for f in dataclasses.fields(SamplingParams)}
-    assert chat_request.grammar_backend_available() == ("json_schema" in names)
 
 
 @pytest.mark.parametrize(
@@ -207,7 +181,7 @@ def test_template_kwargs_and_reasoning():
     assert _plan(reasoning_parser="qwen3", separate_reasoning=False).reasoning_parser is None
 
 
-def test_output_parsers_follow_the_plan(grammar):
+def test_output_parsers_follow_the_plan():
     native = _plan(tools=[WEATHER], reasoning_parser="deepseek-r1").output_parser("")
     events = merge_events(
         native.feed('r</think><tool_call>{"name": "get_weather", "arguments": {}}</tool_call>')

@@ -48,6 +48,7 @@ class ScriptedManager:
     def __init__(self, tokenizer, pieces: list[str], reason: dict[str, Any], **server_args):
         self.server_args = SimpleNamespace(model_path="m", **server_args)
         self.served_model_name = "m"
+        self.cache_report = False
         self.inputs = InputProcessor(tokenizer, context_length=4096, vocab_size=len(tokenizer))
         self.pieces, self.reason = pieces, reason
         self.prompts: list[Any] = []

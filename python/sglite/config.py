@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sglite.attention import BACKENDS, default_backend
+from sglite.constrained import GRAMMAR_BACKENDS
 from sglite.parsers import REASONING_FORMATS, TOOL_CALL_PARSERS
 
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random", "hrrn", "shortest-prefill-first")
@@ -182,6 +183,17 @@ class ServerArgs:
         choices=("model", "openai"),
     )
     random_seed: int = _f(0, "Seed of the sampler for requests without their own seed.")
+    grammar_backend: str = _f(
+        "xgrammar",
+        "Structured output (json_schema, regex, ebnf, response_format): xgrammar, or none "
+        "to refuse such requests with a 400.",
+        choices=GRAMMAR_BACKENDS,
+    )
+    grammar_compile_timeout: float = _f(
+        30.0,
+        "Seconds a structured-output request may wait for its grammar to compile; then it is "
+        "aborted with a 503 (the compile goes on, so a retry can find it cached).",
+    )
     watchdog_timeout: float = _f(
         300.0,
         "Seconds one forward or scheduling step may take; then the scheduler logs what it "
@@ -238,6 +250,11 @@ class ServerArgs:
             bad("stream_interval", f"must be >= 1, got {self.stream_interval}")
         if not self.watchdog_timeout > 0:  # NaN too
             bad("watchdog_timeout", f"must be > 0 seconds, got {self.watchdog_timeout}")
+        if not self.grammar_compile_timeout > 0:
+            bad(
+                "grammar_compile_timeout",
+                f"must be > 0 seconds, got {self.grammar_compile_timeout}",
+            )
         for f in dataclasses.fields(self):  # every field with choices
             choices = f.metadata.get("choices")
             value = getattr(self, f.name)

@@ -6,6 +6,8 @@ Flow: TokenizerManager --(GenerateReq, AbortReq, FlushCacheReq, GetStatsReq)--> 
 
 Finish reasons are plain dicts, as in the HTTP API:
   {"type": "stop", "matched": <token id or stop string>}   (matched None: EOS without id)
+      a structured-output request stops so once its grammar accepted EOS (matched: that id);
+      matched None also when its grammar refused the sampled token (dropped from the output)
   {"type": "length", "length": N}
   {"type": "abort", "message": "...", "status_code": 400|503|...}
 """

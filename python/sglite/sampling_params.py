@@ -13,6 +13,12 @@ penalties.
 Defaults: a field a request leaves out takes the model's `generation_config.json` value when
 the server runs with `--sampling-defaults model` (SGLang's default), for the keys in
 `MODEL_DEFAULT_KEYS`; see `model_sampling_defaults`.
+
+Structured output (SGLang's names; at most one per request): `json_schema` (a JSON Schema as a
+JSON string), `regex`, `ebnf` (a GBNF-style grammar with a `root` rule). The output then
+follows the grammar (sglite.constrained); the request finishes when the grammar is complete and
+the model emits EOS, or by max_new_tokens / stop strings as usual. `min_new_tokens` cannot be
+combined with one: the grammar decides where the output may end.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ GREEDY_TEMPERATURE = 1e-6
 MAX_LOGIT_BIAS = 100.0
 # generation_config.json keys that become request defaults (same names in SamplingParams)
 MODEL_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+GRAMMAR_KINDS = ("json_schema", "regex", "ebnf")
 
 
 def _is_int(value: Any) -> bool:
@@ -72,6 +79,9 @@ class SamplingParams:
     no_stop_trim: bool = False
     seed: int | None = None
     logit_bias: dict[str, float] | None = None
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_new_tokens) or self.max_new_tokens < 0:
@@ -108,6 +118,7 @@ class SamplingParams:
         if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed must be an integer or null, got {self.seed!r}")
         self._check_logit_bias()
+        self._check_grammar()
 
     def _check_logit_bias(self) -> None:
         if self.logit_bias is None:
@@ -130,6 +141,31 @@ class SamplingParams:
         if not isinstance(items, (list, tuple)) or not all(isinstance(s, str) and s for s in items):
             raise ValueError(
                 f"stop must be a non-empty string or a list of non-empty strings, got {stop!r}"
+            )
+
+    def _check_grammar(self) -> None:
+        given = [k for k in GRAMMAR_KINDS if getattr(self, k) is not None]
+        if len(given) > 1:
+            raise ValueError(f"give at most one of json_schema, regex and ebnf, got {given}")
+        if not given:
+            return
+        kind, text = given[0], getattr(self, given[0])
+        if not isinstance(text, str) or not text.strip():
+            raise ValueError(f"{kind} must be a non-empty string, got {text!r}")
+        if kind == "json_schema":
+            try:
+                schema = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"json_schema: invalid schema: not valid JSON ({e})") from None
+            if not isinstance(schema, (dict, bool)):
+                raise ValueError(
+                    "json_schema: invalid schema: a schema is a JSON object (or true/false), "
+                    f"got {type(schema).__name__}"
+                )
+        if self.min_new_tokens:
+            raise ValueError(
+                f"min_new_tokens cannot be combined with {kind}: the grammar decides where "
+                "the output may end"
             )
 
     @classmethod
@@ -172,6 +208,15 @@ class SamplingParams:
     @property
     def logit_bias_ids(self) -> list[int]:
         return [int(k) for k in self.logit_bias or ()]
+
+    @property
+    def grammar_key(self) -> tuple[str, str] | None:
+        """(kind, text) of the request's grammar, or None when unconstrained."""
+        for kind in GRAMMAR_KINDS:
+            text = getattr(self, kind)
+            if text is not None:
+                return kind, text
+        return None
 
     @property
     def stop_strs(self) -> tuple[str, ...]:

@@ -4,7 +4,8 @@
 the tokens generated so far into device tensors; `Sampler()(logits, info)` returns the next
 token of every request. Nothing loops over requests on the device side.
 
-Order (as in SGLang): penalties on the raw logits (repetition: positive logits divided by
+Order (as in SGLang): the grammar mask of structured-output rows (disallowed tokens -> -inf;
+sglite.constrained.mask), penalties on the raw logits (repetition: positive logits divided by
 the penalty, negative ones multiplied, over prompt + output tokens; frequency and presence:
 subtracted per occurrence / once, over output tokens), `logit_bias`, the `min_new_tokens` ban of EOS and
 stop tokens, then greedy rows take the argmax, and the other rows divide by their
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from sglite.constrained.mask import VocabMask, apply_vocab_mask
 from sglite.sampling_params import SamplingParams
 
 _MASK32 = 0xFFFFFFFF
@@ -52,6 +54,8 @@ class SamplingBatchInfo:
     seeded_rows: torch.Tensor | None = None  # [S] int64
     seeds: torch.Tensor | None = None  # [S] int64
     steps: torch.Tensor | None = None  # [S] int64
+    # Structured output: the token mask of the constrained rows (None: no row is constrained).
+    vocab_mask: VocabMask | None = None
 
     @classmethod
     def build(
@@ -64,6 +68,7 @@ class SamplingBatchInfo:
         output_lens: Sequence[int] | None = None,
         prompt_ids: Sequence[Sequence[int]] | None = None,
         eos_token_ids: Sequence[int] = (),
+        vocab_mask: VocabMask | None = None,
     ) -> SamplingBatchInfo:
         """`output_ids[i]`: tokens request i generated so far (None: nothing yet); only read
         for penalties. `output_lens[i]`: how many tokens it generated so far (default: the
@@ -94,6 +99,7 @@ class SamplingBatchInfo:
             need_top_p=any(p.top_p < 1.0 for p, g in zip(params, greedy) if not g),
             need_top_k=any(k < vocab_size for k, g in zip(top_ks, greedy) if not g),
             need_min_p=any(p.min_p > 0.0 for p, g in zip(params, greedy) if not g),
+            vocab_mask=vocab_mask,
         )
         if any(p.frequency_penalty or p.presence_penalty for p in params):
             fields["token_counts"] = _counts(outputs, vocab_size, device)
@@ -169,6 +175,8 @@ def _hash_uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> 
 class Sampler:
     def __call__(self, logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
         """Next token id of every row, `[B]` int64. `logits` are `[B, V]` float32."""
+        if info.vocab_mask is not None:  # grammar first: penalties never revive a banned token
+            apply_vocab_mask(logits, info.vocab_mask)
         logits = self.apply_penalties(logits, info)
         if info.all_greedy:
             return logits.argmax(dim=-1)

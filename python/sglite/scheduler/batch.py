@@ -16,6 +16,7 @@ from enum import StrEnum
 
 import numpy as np
 
+from sglite.constrained.matching import GrammarRows, grammar_rows
 from sglite.logprobs import RowLogprobSpec
 from sglite.sampling_params import SamplingParams
 from sglite.scheduler.req import Req
@@ -46,6 +47,7 @@ class ForwardInput:
     table_rows: np.ndarray | None = None  # row contents to copy when the table is mirrored
     # per row, the log-probs to compute (None: none); empty when no row asks
     logprob_specs: list[RowLogprobSpec | None] = field(default_factory=list)
+    vocab_mask: GrammarRows | None = None  # constrained rows: their matchers give the token mask
 
     @property
     def batch_size(self) -> int:
@@ -61,6 +63,7 @@ class ScheduleBatch:
     epochs: list[int] = field(default_factory=list)
     future_slots: np.ndarray | None = None
     out_cache_loc: np.ndarray | None = None
+    has_grammar: bool = False  # launched with constrained rows (set by Scheduler.launch)
 
     sample_mask: list[bool] = field(default_factory=list)
 
@@ -119,6 +122,7 @@ class ScheduleBatch:
             sampling_params=params,
             future_slots=self.future_slots,
             penalty_tokens=penalty,
+            vocab_mask=grammar_rows(reqs, self.sample_mask),
             logprob_specs=specs if any(s is not None for s in specs) else [],
         )
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from sglite.constrained.mask import fill_vocab_mask
 from sglite.logprobs import RowLogprobs, RowLogprobSpec, compute_logprobs, logits_rows
 from sglite.model_executor.forward_batch import ForwardBatch
 from sglite.model_executor.sampler import SamplingBatchInfo
@@ -101,6 +102,7 @@ class ModelWorker(Worker):
             output_lens=np.maximum(fi.seq_lens - fi.prompt_lens, 0).tolist(),
             prompt_ids=[p[0] if p is not None else () for p in fi.penalty_tokens],
             eos_token_ids=self.eos_token_ids,
+            vocab_mask=fill_vocab_mask(fi.vocab_mask, self.vocab_size, r.device),
         )
         prepared = Prepared(batch, info)
         if fi.logprob_specs:

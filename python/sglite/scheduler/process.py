@@ -29,10 +29,13 @@ def scheduler_for_runner(
     send_control=None,
     decode_tail=None,
     watchdog: NullWatchdog | None = None,
+    tokenizer=None,
 ):
     """A Scheduler driving `runner` (its pools, allocator and model) with `args`; no watchdog
-    unless one is given (tests and benchmarks drive it in-process)."""
+    unless one is given (tests and benchmarks drive it in-process). Structured output needs
+    the `tokenizer` (without it, constrained requests are refused)."""
     import sglite.core
+    from sglite.constrained import create_backend
     from sglite.scheduler.model_worker import ModelWorker
     from sglite.scheduler.scheduler import Scheduler
 
@@ -53,6 +56,9 @@ def scheduler_for_runner(
         send=send,
         send_control=send_control,
         watchdog=watchdog,
+        grammar_backend=create_backend(
+            args.grammar_backend, tokenizer, cfg.vocab_size, cfg.eos_token_ids
+        ),
     )
 
 
@@ -87,6 +93,7 @@ def build_scheduler(
         send_control,
         decode_tail=lambda ids: tokenizer.decode(ids, skip_special_tokens=False),
         watchdog=watchdog,
+        tokenizer=tokenizer,
     )
     cfg = runner.model_config
     info = {
@@ -153,3 +160,4 @@ def run_scheduler_process(
         raise
     finally:
         sched.client.shutdown()
+        sched.grammars.shutdown()

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from sglite.logprobs import LogprobOptions, TokenLogprob
+from sglite.logprobs import LogprobOptions, RowLogprobs, TokenLogprob
 from sglite.sampling_params import SamplingParams
 
 STOP_STRING_TAIL_TOKENS = 8  # extra tokens decoded beyond the longest stop string's length
@@ -68,6 +68,8 @@ class Req:
     input_logprob_next: int = 0
     sent_input_logprobs: int = 0
     sent_output_logprobs: int = 0
+    # structured output: the matcher (sglite.constrained), set once the grammar compiled
+    grammar: Any = None
 
     def __post_init__(self) -> None:
         # the prompt as one int64 array: the tree core and the forward read it without copies
@@ -118,6 +120,17 @@ class Req:
     def finishing_in_flight(self) -> bool:
         """All of its tokens are scheduled: it will finish by length when results land."""
         return self.scheduled_outputs >= self.max_new_tokens
+
+    def add_input_logprobs(self, row: RowLogprobs | None) -> None:
+        """Prompt log-probs a batch computed (they continue at `input_logprob_next`)."""
+        if row is not None and row.input:
+            self.input_logprobs += row.input
+            self.input_logprob_next += len(row.input)
+
+    def add_output_logprob(self, row: RowLogprobs | None) -> None:
+        """The log-prob of the output token just appended."""
+        if row is not None and row.output is not None:
+            self.output_logprobs.append(row.output)
 
     def reset_for_retract(self) -> None:
         self.row = None

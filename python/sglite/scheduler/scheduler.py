@@ -4,7 +4,9 @@ Each tick: receive messages -> pick the next batch (prefill first, else decode) 
 process its results. `step_normal` runs each batch to completion before the next;
 `step_overlap` launches batch N+1 before processing the result of batch N (results one step
 late; finished requests are never streamed twice nor decoded again). Admission lives in
-prefill.py, decode memory and retraction in decode.py, streaming in output.py.
+prefill.py, decode memory and retraction in decode.py, streaming in output.py. Constrained
+requests wait in `grammars` for their grammar (sglite.constrained); the overlap loop processes a
+launched batch with constrained rows before it builds the next one.
 
 Lifetime of a request's KV in the overlap loop: a launched batch reads its requests' rows of
 the request table (on CPU the very table the scheduler writes) until its result is processed.
@@ -25,6 +27,9 @@ from typing import Any
 import numpy as np
 
 from sglite.config import ServerArgs
+from sglite.constrained import GrammarBackend, NullGrammarBackend
+from sglite.constrained.grammar_queue import GrammarQueue
+from sglite.constrained.matching import accept_token
 from sglite.logprobs import RowLogprobs
 from sglite.mem_cache.cache_manager import CacheManager
 from sglite.messages import (
@@ -64,6 +69,7 @@ class Scheduler:
         send: Callable[[object], None],
         send_control: Callable[[object], None] | None = None,
         watchdog: NullWatchdog | None = None,
+        grammar_backend: GrammarBackend | None = None,
     ):
         self.args = args
         self.core = core
@@ -80,6 +86,11 @@ class Scheduler:
         self.streamer = OutputStreamer(send, args.stream_interval)
         self.send_control = send_control or send
         self.waiting: list[Req] = []
+        # constrained requests wait here for their grammar before they may be admitted
+        self.grammars = GrammarQueue(
+            grammar_backend or NullGrammarBackend("this scheduler has no grammar backend"),
+            args.grammar_compile_timeout,
+        )
         self.running: list[Req] = []
         self.future_of: dict[int, int] = {}  # id(req) -> future slot of its in-flight token
         self.pending: tuple[ScheduleBatch, Launched] | None = None  # overlap: launched, unprocessed
@@ -119,14 +130,14 @@ class Scheduler:
 
     def step_overlap(self) -> bool:
         self.watchdog.busy("scheduling")
-        if (
-            self.pending
-            and self.pending[0].is_extend
-            and (self.waiting or self.prefill.chunked_req)
+        if self.pending and (
+            (self.pending[0].is_extend and (self.waiting or self.prefill.chunked_req))
+            or self.pending[0].has_grammar
         ):
             # Maybe a second prefill in a row: process the first's result before building the
             # next batch, so its token is not delayed behind another long forward (and the new
-            # batch is built only from requests still alive after that result).
+            # batch is built only from requests still alive after that result). Constrained
+            # rows: their matchers must see their last token before their next mask is built.
             self._process_pending()
         batch = self.get_next_batch_to_run()
         launched = self.launch(batch) if batch is not None else None
@@ -153,6 +164,7 @@ class Scheduler:
             or self.pending
             or self.prefill.chunked_req
             or self.releasing
+            or self.grammars
         )
 
     def frees_in_flight(self) -> bool:
@@ -190,7 +202,10 @@ class Scheduler:
             self.counters["num_rejected_reqs"] += 1
             self._refuse(req, 400, error)
             return req
-        self.waiting.append(req)
+        if req.sampling_params.grammar_key is not None:
+            self.grammars.add(req)  # the grammar gate: admitted once its grammar compiled
+        else:
+            self.waiting.append(req)
         return req
 
     def abort(
@@ -202,7 +217,7 @@ class Scheduler:
         def hit(r: Req) -> bool:
             return abort_all or (r.rid == rid if exact else r.rid.startswith(rid))
 
-        victims = [r for r in self.waiting if hit(r)]
+        victims = [r for r in self.waiting if hit(r)] + self.grammars.remove(hit)
         if victims:
             self.waiting = [r for r in self.waiting if not hit(r)]
         chunked = self.prefill.chunked_req
@@ -219,12 +234,21 @@ class Scheduler:
 
     # ---------------------------------------------------------------- batches
     def get_next_batch_to_run(self) -> ScheduleBatch | None:
+        if self.grammars:
+            self._admit_compiled()
         batch = self.prefill.get_new_batch(self.waiting, self.running, self.processed_tokens)
         if batch is None:
             batch = self._decode_batch()
         if batch is None and self.waiting and not self._holds_kv():
             self._refuse_head()
         return batch
+
+    def _admit_compiled(self) -> None:
+        ready, refused = self.grammars.poll()
+        self.waiting += ready
+        for r in refused:
+            self.counters["num_rejected_reqs"] += 1
+            self._refuse(r.req, r.status_code, r.message)
 
     def _decode_batch(self) -> ScheduleBatch | None:
         step = self.decode.get_batch(self.running, self.prefill.chunked_req, self.frees_in_flight())
@@ -276,6 +300,7 @@ class Scheduler:
     def launch(self, batch: ScheduleBatch) -> Launched:
         batch.future_slots = self.client.future_slots(len(batch.reqs))
         fi = batch.forward_input(self.future_of)
+        batch.has_grammar = fi.vocab_mask is not None
         for req, slot, samples in zip(batch.reqs, batch.future_slots.tolist(), batch.sample_mask):
             req.in_flight += 1
             if samples:
@@ -322,17 +347,14 @@ class Scheduler:
                 if req.epoch != batch.epochs[i] or req.finished:
                     continue
                 row_logprobs = logprobs[i] if logprobs else None
-                if row_logprobs is not None and row_logprobs.input:
-                    req.input_logprobs += row_logprobs.input
-                    req.input_logprob_next += len(row_logprobs.input)
+                req.add_input_logprobs(row_logprobs)
                 if not batch.sample_mask[i]:
                     continue
                 if self.future_of.get(id(req)) == slots[i]:
                     del self.future_of[id(req)]
                 touched.append(req)
-                appended = self._append_token(req, toks[i], batch, i)
-                if appended and row_logprobs is not None and row_logprobs.output:
-                    req.output_logprobs.append(row_logprobs.output)
+                if self._append_token(req, toks[i], batch, i):
+                    req.add_output_logprob(row_logprobs)
             if self.releasing:
                 for req in batch.reqs:
                     if req.in_flight == 0 and id(req) in self.releasing:
@@ -350,7 +372,8 @@ class Scheduler:
             return False
         req.output_ids.append(token)
         self.counters["num_generated_tokens_total"] += 1
-        reason = self.stop_checker.check(req)
+        reason = accept_token(req, token) if req.grammar is not None else None
+        reason = reason or self.stop_checker.check(req)
         if reason is not None:
             self.finish(req, reason)
         elif not batch.is_decode[i]:
@@ -375,6 +398,8 @@ class Scheduler:
 
     def on_idle(self) -> None:
         if self.has_work():
+            if self.grammars:  # no batch to run: give the compile threads the CPU
+                self.grammars.wait()
             return
         self.decode.ratio.reset()
         if self.args.debug_invariants:
@@ -397,7 +422,10 @@ class Scheduler:
             **c,
             **self.cache.kv_stats(),
             "num_running_reqs": len(self.running),
-            "num_waiting_reqs": len(self.waiting) + (self.prefill.chunked_req is not None),
+            "num_waiting_reqs": len(self.waiting)
+            + len(self.grammars)
+            + (self.prefill.chunked_req is not None),
+            **self.grammars.stats(),
             "cache_hit_rate": c["num_cached_tokens_total"] / prompt if prompt else 0.0,
             "waiting_hit_tokens": self.policy.waiting_hit_tokens(self.waiting),
             "new_token_ratio": self.decode.ratio.value,

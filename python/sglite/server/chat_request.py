@@ -34,7 +34,6 @@ from sglite.parsers import (
     reasoning_format,
     required_schema,
 )
-from sglite.sampling_params import SamplingParams
 from sglite.server.inputs import RequestError
 from sglite.server.protocol import ChatCompletionRequest
 
@@ -60,11 +59,6 @@ RESERVED_TEMPLATE_KWARGS = frozenset(
         "tokenizer_kwargs",
     }
 )
-
-
-def grammar_backend_available() -> bool:
-    """Whether SamplingParams can carry a JSON schema for the grammar backend to enforce."""
-    return any(f.name == "json_schema" for f in dataclasses.fields(SamplingParams))
 
 
 @dataclass(frozen=True)
@@ -159,15 +153,8 @@ def plan_chat(
 def _forced_call_sampling(
     tools: list[dict[str, Any]], named: str | None, parallel: bool
 ) -> dict[str, Any]:
-    """The SamplingParams fields that force the calls: a JSON schema for the grammar
-    backend (a 400 on a server without one)."""
-    if not grammar_backend_available():
-        label = "required" if named is None else f"{{function: {named}}}"
-        raise RequestError(
-            f"tool_choice={label} needs the grammar backend (structured output), which "
-            'this server does not have yet; use tool_choice="auto"',
-            param="tool_choice",
-        )
+    """The SamplingParams field that forces the calls: a JSON schema for the grammar
+    backend (a 400 on a server started with --grammar-backend none)."""
     if named is None:
         schema = required_schema(tools, parallel=parallel)
     else:

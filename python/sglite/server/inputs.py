@@ -54,6 +54,7 @@ class InputProcessor:
         page_size: int = 1,
         is_rid_free: Callable[[str], bool] = lambda rid: True,
         sampling_defaults: dict[str, Any] | None = None,
+        check_grammar: Callable[[tuple[str, str]], None] | None = None,
     ):
         self.tokenizer = tokenizer
         self.context_length = context_length
@@ -62,6 +63,8 @@ class InputProcessor:
         self.page_size = page_size
         self.is_rid_free = is_rid_free
         self.sampling_defaults = dict(sampling_defaults or {})  # fields a request leaves out
+        # structured output: a syntax check of the grammar (sglite.constrained.edge_check)
+        self.check_grammar = check_grammar
 
     def max_new_tokens_limit(self, prompt_len: int) -> int:
         """The most new tokens a prompt may ask for: it must fit in the context and be
@@ -138,6 +141,8 @@ class InputProcessor:
         try:
             sp = SamplingParams.from_dict(data)
             sp.check_vocab(self.vocab_size)
+            if sp.grammar_key is not None and self.check_grammar is not None:
+                self.check_grammar(sp.grammar_key)
         except (ValueError, TypeError) as e:
             raise RequestError(f"{param}: {e}" if param else str(e), param=param) from e
         return sp, n

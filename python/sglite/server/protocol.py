@@ -3,15 +3,22 @@
 Request models are strict (a string is not a number, "yes" is not a boolean) so that wrong
 types become a 400 naming the field; unknown top-level keys are ignored, as OpenAI clients
 send extras. Value ranges are checked by SamplingParams and the TokenizerManager.
+
+Structured output on the OpenAI routes: `response_format` `{"type": "text"}` (none),
+`{"type": "json_object"}` (any JSON object: the schema `{"type": "object"}`), or
+`{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": ...}}`
+(the output follows the schema; `strict` is accepted, and the output is always strict); and
+SGLang's extras `regex` and `ebnf`. At most one of them per request.
 """
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
 
 class _Request(BaseModel):
@@ -51,6 +58,34 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Request):
+    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
+
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError('json_schema is required with (and only with) type "json_schema"')
+        return self
+
+    def as_json_schema(self) -> str | None:
+        """The SamplingParams json_schema this format asks for (None: free text)."""
+        if self.type == "json_object":
+            return '{"type": "object"}'
+        if self.json_schema is not None:
+            return json.dumps(self.json_schema.schema_)
+        return None
+
+
 class _OpenAISampling(_Request):
     """Fields shared by completions and chat (OpenAI's, then SGLang's extras)."""
 
@@ -76,6 +111,10 @@ class _OpenAISampling(_Request):
     skip_special_tokens: bool | None = None
     no_stop_trim: bool | None = None
     rid: str | None = None
+    # structured output
+    response_format: ResponseFormat | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
     def sampling_dict(self, max_new_tokens: int | None) -> dict[str, Any]:
         """The SamplingParams keyword arguments this request sets (None = default)."""
@@ -97,6 +136,9 @@ class _OpenAISampling(_Request):
             "seed": self.seed,
             "logit_bias": self.logit_bias,
             "n": self.n,
+            "json_schema": self.response_format and self.response_format.as_json_schema(),
+            "regex": self.regex,
+            "ebnf": self.ebnf,
         }
         return {k: v for k, v in pairs.items() if v is not None}
 

@@ -25,6 +25,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from sglite.constrained import edge_check
 from sglite.ipc import AsyncReceiver, IpcNames, Sender
 from sglite.messages import (
     AbortReq,
@@ -98,6 +99,7 @@ class TokenizerManager:
             page_size=server_args.page_size,
             is_rid_free=lambda r: r not in self.states,
             sampling_defaults=self._sampling_defaults(),
+            check_grammar=edge_check(getattr(server_args, "grammar_backend", "xgrammar")),
         )
         self.dead_reason: str | None = None  # set when a child process died
         self.heartbeat = heartbeat or Heartbeat()  # when the scheduler's current step began

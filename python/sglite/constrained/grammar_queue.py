@@ -1,0 +1,159 @@
+"""GrammarQueue: the scheduler's grammar gate (constrained requests wait here for their grammar)
+and the cache of compiled grammars.
+
+A request with a grammar enters this queue instead of the waiting queue; its grammar compiles
+on a small thread pool. `poll()`, called by the scheduler before it forms a batch, hands back
+the requests whose grammar is ready (each with a fresh matcher in `req.grammar`, for the
+waiting queue) and those that cannot run: the grammar is invalid (400 with the backend's
+message) or took longer than `timeout_s` (503). Unconstrained requests never pass through here.
+
+Compiles are cached by key `(kind, text)`, errors included, in a bounded LRU of futures: a
+second request with the same grammar shares the first one's compile, finished or not. A
+timed-out compile keeps running and lands in the cache, so a retry can find it there.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from sglite.constrained.base import GrammarBackend, GrammarError, GrammarKey
+
+if TYPE_CHECKING:
+    from sglite.scheduler.req import Req
+
+NUM_COMPILE_THREADS = 2
+CACHE_SIZE = 256  # compiled grammars kept (least recently used first out)
+IDLE_WAIT_S = 0.005  # the longest an idle scheduler sleeps in wait() before it polls again
+
+
+@dataclass
+class Refusal:
+    """A request that leaves the queue without its grammar."""
+
+    req: Req
+    status_code: int
+    message: str
+
+
+@dataclass
+class _Waiting:
+    req: Req
+    key: GrammarKey
+    compiled: Future
+    deadline: float
+
+
+class GrammarQueue:
+    def __init__(
+        self,
+        backend: GrammarBackend,
+        timeout_s: float,
+        *,
+        num_threads: int = NUM_COMPILE_THREADS,
+        cache_size: int = CACHE_SIZE,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.backend = backend
+        self.timeout_s = timeout_s
+        self.num_threads = num_threads
+        self.cache_size = cache_size
+        self.clock = clock
+        self.cache: OrderedDict[GrammarKey, Future] = OrderedDict()
+        self.num_cache_hits = 0
+        self.num_compiles = 0
+        self._queue: list[_Waiting] = []
+        self._landed = threading.Event()  # a compile finished since the last wait()
+        self._pool: ThreadPoolExecutor | None = None  # started by the first compile
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def add(self, req: Req) -> None:
+        """Queue `req` (its sampling params name a grammar) until its grammar is compiled."""
+        key = req.sampling_params.grammar_key
+        assert key is not None, "only constrained requests wait for a grammar"
+        self._queue.append(_Waiting(req, key, self._compiled(key), self.clock() + self.timeout_s))
+
+    def poll(self) -> tuple[list[Req], list[Refusal]]:
+        """(requests whose grammar is ready, in arrival order; requests refused)."""
+        if not self._queue:
+            return [], []
+        now = self.clock()
+        ready: list[Req] = []
+        refused: list[Refusal] = []
+        still: list[_Waiting] = []
+        for w in self._queue:
+            if w.compiled.done():
+                error = w.compiled.exception()
+                if error is None:
+                    w.req.grammar = self.backend.matcher(w.compiled.result())
+                    ready.append(w.req)
+                elif isinstance(error, GrammarError):
+                    refused.append(Refusal(w.req, 400, str(error)))
+                else:
+                    refused.append(
+                        Refusal(w.req, 500, f"{w.key[0]}: the grammar failed to compile: {error}")
+                    )
+            elif now >= w.deadline:
+                refused.append(
+                    Refusal(
+                        w.req,
+                        503,
+                        f"{w.key[0]}: the grammar did not compile within {self.timeout_s:g} s "
+                        "(--grammar-compile-timeout); it is still compiling, retry later",
+                    )
+                )
+            else:
+                still.append(w)
+        self._queue = still
+        return ready, refused
+
+    def remove(self, hit: Callable[[Req], bool]) -> list[Req]:
+        """Take the waiting requests that `hit` selects out of the queue (aborts)."""
+        gone = [w.req for w in self._queue if hit(w.req)]
+        if gone:
+            self._queue = [w for w in self._queue if not hit(w.req)]
+        return gone
+
+    def wait(self, timeout_s: float = IDLE_WAIT_S) -> None:
+        """Block until a compile finishes (or `timeout_s`): the scheduler has nothing else to do."""
+        self._landed.wait(timeout_s)
+        self._landed.clear()
+
+    def shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _compiled(self, key: GrammarKey) -> Future:
+        future = self.cache.get(key)
+        if future is not None:
+            self.cache.move_to_end(key)
+            self.num_cache_hits += 1
+            return future
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.num_threads, thread_name_prefix="sglite-grammar")
+        self.num_compiles += 1
+        future = self._pool.submit(self.backend.compile, key)
+        future.add_done_callback(lambda _: self._landed.set())
+        self.cache[key] = future
+        self._evict()
+        return future
+
+    def _evict(self) -> None:
+        """Drop the least recently used finished compiles beyond the cache size."""
+        excess = len(self.cache) - self.cache_size
+        for key in [k for k, f in self.cache.items() if f.done()][: max(excess, 0)]:
+            del self.cache[key]
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "num_grammar_waiting_reqs": len(self._queue),
+            "num_grammar_compiles": self.num_compiles,
+            "num_grammar_cache_hits": self.num_cache_hits,
+        }
