@@ -63,6 +63,24 @@ class StreamParser(ABC):
         """The output ended: the events of whatever was held back."""
 
 
+class BufferedParser(StreamParser):
+    """A parser over a text buffer: `feed` appends the delta and runs `_step` until it
+    needs more text (`_step` returns False) or the buffer is empty."""
+
+    _buf: str
+
+    def feed(self, text: str) -> list[Event]:
+        self._buf += text
+        out: list[Event] = []
+        while self._buf and self._step(out):
+            pass
+        return out
+
+    @abstractmethod
+    def _step(self, out: list[Event]) -> bool:
+        """Consume from `_buf`, appending events; False: wait for more text."""
+
+
 def partial_tag_len(text: str, tags: tuple[str, ...]) -> int:
     """Length of the longest end of `text` that is a proper beginning of one of `tags`:
     the characters that must be held back because the next delta may complete a tag."""

@@ -16,7 +16,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from sglite.parsers.base import CallArgs, CallStart, Content, Event, StreamParser, new_call_id
+from sglite.parsers.base import (
+    BufferedParser,
+    CallArgs,
+    CallStart,
+    Content,
+    Event,
+    StreamParser,
+    new_call_id,
+)
 from sglite.parsers.json_call import FAILED, RUNNING, CallReader
 
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
@@ -91,7 +99,7 @@ class NamedCallParser(StreamParser):
         return out
 
 
-class RequiredCallsParser(StreamParser):
+class RequiredCallsParser(BufferedParser):
     """The output is a JSON array of call objects. Output that is not (a grammar backend
     that did not hold) is left as content from where it stops being one."""
 
@@ -99,13 +107,6 @@ class RequiredCallsParser(StreamParser):
         self.calls = CallReader(new_id)
         self._buf = ""
         self._state = "open"  # open | item | call | after | done | text
-
-    def feed(self, text: str) -> list[Event]:
-        self._buf += text
-        out: list[Event] = []
-        while self._buf and self._step(out):
-            pass
-        return out
 
     def finish(self) -> list[Event]:
         out: list[Event] = []

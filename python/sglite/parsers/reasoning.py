@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from sglite.parsers.base import Content, Event, Reasoning, StreamParser, partial_tag_len
+from sglite.parsers.base import BufferedParser, Content, Event, Reasoning, partial_tag_len
 
 THINKING_SWITCHES = ("enable_thinking", "thinking")
 
@@ -73,7 +73,7 @@ def reasoning_format(name: str) -> ReasoningFormat:
         ) from None
 
 
-class ReasoningParser(StreamParser):
+class ReasoningParser(BufferedParser):
     """Splits one output into Reasoning and Content events (see the module docstring)."""
 
     def __init__(self, fmt: ReasoningFormat, in_reasoning: bool):
@@ -83,13 +83,6 @@ class ReasoningParser(StreamParser):
         self._state = "think" if in_reasoning else "start"
         self._lead = True  # whitespace (and, first thing, a start tag) to drop
         self._buf = ""
-
-    def feed(self, text: str) -> list[Event]:
-        self._buf += text
-        out: list[Event] = []
-        while self._buf and self._step(out):
-            pass
-        return out
 
     def finish(self) -> list[Event]:
         buf, self._buf = self._buf, ""

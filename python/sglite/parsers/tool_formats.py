@@ -16,7 +16,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from sglite.parsers.base import Content, Event, StreamParser, new_call_id, partial_tag_len
+from sglite.parsers.base import (
+    BufferedParser,
+    Content,
+    Event,
+    StreamParser,
+    new_call_id,
+    partial_tag_len,
+)
 from sglite.parsers.json_call import DONE, FAILED, RUNNING, CallReader
 
 
@@ -29,7 +36,7 @@ def _split_trailing_space(text: str, keep: int) -> int:
     return end
 
 
-class HermesToolParser(StreamParser):
+class HermesToolParser(BufferedParser):
     """`<tool_call>{json}</tool_call>` blocks (see the module docstring)."""
 
     START, END = "<tool_call>", "</tool_call>"
@@ -41,13 +48,9 @@ class HermesToolParser(StreamParser):
         self._strip = False  # drop whitespace that follows a call
         self._space = ""  # whitespace before the current call's tag (shown if it fails)
 
-    def feed(self, text: str) -> list[Event]:
-        self._buf += text
-        out: list[Event] = []
+    def _step(self, out: list[Event]) -> bool:
         step = {"text": self._text, "call": self._call, "after": self._after}
-        while self._buf and step[self._state](out):
-            pass
-        return out
+        return step[self._state](out)
 
     def finish(self) -> list[Event]:
         out: list[Event] = []
@@ -109,7 +112,7 @@ class HermesToolParser(StreamParser):
         return True
 
 
-class Llama3ToolParser(StreamParser):
+class Llama3ToolParser(BufferedParser):
     """`{"name": ..., "parameters": ...}` objects, `;`-separated, at the start of the output
     or after `<|python_tag|>` (see the module docstring)."""
 
@@ -121,9 +124,7 @@ class Llama3ToolParser(StreamParser):
         self._state = "start"  # start | text | expect (a call may follow) | call | between
         self._prefix = ""  # text consumed before the current call object (shown if it fails)
 
-    def feed(self, text: str) -> list[Event]:
-        self._buf += text
-        out: list[Event] = []
+    def _step(self, out: list[Event]) -> bool:
         step = {
             "start": self._start,
             "text": self._text,
@@ -131,9 +132,7 @@ class Llama3ToolParser(StreamParser):
             "call": self._call,
             "between": self._between,
         }
-        while self._buf and step[self._state](out):
-            pass
-        return out
+        return step[self._state](out)
 
     def finish(self) -> list[Event]:
         out: list[Event] = []
