@@ -44,6 +44,8 @@ def test_workload_covers_every_kind():
     assert any(s.stream for s in workload) and any(s.n > 1 for s in workload)
     assert any(s.stop for s in workload) and any(s.close_after for s in workload)
     assert any(s.max_new_tokens is None for s in workload)  # a request at the KV boundary
+    assert any(s.logprobs for s in workload) and any(s.echo for s in workload)
+    assert {s.api for s in workload if s.json_schema} >= {"generate", "chat"}
 
 
 def test_no_request_failed(report):
