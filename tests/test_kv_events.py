@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from fixtures.backends import load_backend
-from fixtures.kv_subscriber import KvSubscriber, spec_hashes
+from fixtures.kv_subscriber import KvSubscriber, apply_events, spec_hashes
 from fixtures.sched import Harness
 from sglite.config import ServerArgs
 from sglite.kv_events import create, parse_kv_events_config
@@ -281,3 +281,30 @@ def test_both_tree_cores_publish_the_same_events():
     assert streams[0] == streams[1]
     tags = {ev[0] for batch in streams[0] for ev in batch}
     assert tags == {"BlockStored", "BlockRemoved", "AllBlocksCleared"}
+
+
+class RecordingHarness(Harness):
+    """A scheduler-fuzz harness whose cache records events into a Recording publisher."""
+
+    made: list[Harness] = []
+
+    def __init__(self, core, **kw):
+        super().__init__(core, **kw)
+        self.sched.cache.events = KvEventRecorder(self.args.page_size)
+        self.sched.kv_publisher = Recording()
+        RecordingHarness.made.append(self)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_events_follow_the_scheduler_fuzz(core, seed, monkeypatch):
+    """Under the fuzz's configurations (retraction, aborts, both loops, chunking, a mirrored
+    table), every event is consistent with those before it and the blocks left are the tree's."""
+    import test_scheduler_fuzz as fuzz
+
+    monkeypatch.setattr(fuzz, "Harness", RecordingHarness)
+    RecordingHarness.made = []
+    fuzz.run_case(core, seed)
+    h = RecordingHarness.made[0]  # the case's own harness (the others run requests alone)
+    held = apply_events(h.sched.kv_publisher.batches)
+    assert len(held) * h.args.page_size == h.sched.cache.tree.total_size()
+    assert h.sched.cache.events.num_blocks == len(held)
