@@ -1,9 +1,10 @@
 """Scheduler: the loop that picks the next batch, runs it and processes its results.
 
 Each tick: receive messages -> pick the next batch (prefill first, else decode) -> run it ->
-process its results; each step ends by publishing the tree's changes (KV events, if on). `step_normal` runs each batch to completion before the next;
-`step_overlap` launches batch N+1 before processing the result of batch N (results one step
-late; finished requests are never streamed twice nor decoded again). Admission lives in
+process its results; a step ends by publishing the tree's changes (KV events, when on).
+`step_normal` runs each batch to completion before the next; `step_overlap` launches batch
+N+1 before processing the result of batch N (results one step late; finished requests are
+never streamed twice nor decoded again). Admission lives in
 prefill.py, decode memory and retraction in decode.py, streaming in output.py. Constrained
 requests wait in `grammars` for their grammar (sglite.constrained); the overlap loop processes a
 launched batch with constrained rows before it builds the next one.
