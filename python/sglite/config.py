@@ -14,6 +14,7 @@ from typing import Any
 
 from sglite.attention import BACKENDS, default_backend
 from sglite.constrained import GRAMMAR_BACKENDS
+from sglite.kv_events.config import KvEventsConfig, parse_kv_events_config
 from sglite.parsers import REASONING_FORMATS, TOOL_CALL_PARSERS
 
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random", "hrrn", "shortest-prefill-first")
@@ -158,6 +159,13 @@ class ServerArgs:
         "deepseek-r1 or deepseek-v3.",
         choices=tuple(REASONING_FORMATS),
     )
+    kv_events_config: str | None = _f(
+        None,
+        "Publish KV-cache events (blocks stored, removed, all cleared) for cache-aware "
+        'routers, as SGLang: a JSON object, e.g. \'{"publisher": "zmq", "endpoint": '
+        '"tcp://*:5557", "replay_endpoint": "tcp://*:5558", "topic": ""}\' '
+        "(also buffer_steps, hwm, max_queue_size). Off by default.",
+    )
     tree_core: str | None = _f(
         None,
         "Tree core: python, rust or auto (default: SGL_TREE_CORE or python).",
@@ -246,6 +254,10 @@ class ServerArgs:
             bad("api_key", "is empty; give a key, or leave the flag out to serve without one")
         if not self.cors_origins:
             bad("allowed_origins", "names no origin; give * or a comma-separated list")
+        try:
+            parse_kv_events_config(self.kv_events_config)
+        except ValueError as e:
+            bad("kv_events_config", str(e))
         if self.stream_interval < 1:
             bad("stream_interval", f"must be >= 1, got {self.stream_interval}")
         if not self.watchdog_timeout > 0:  # NaN too
@@ -265,6 +277,10 @@ class ServerArgs:
     @property
     def chunking_enabled(self) -> bool:
         return self.chunked_prefill_size not in (None, -1)
+
+    @property
+    def kv_events(self) -> KvEventsConfig:
+        return parse_kv_events_config(self.kv_events_config)
 
     @property
     def cors_origins(self) -> list[str]:

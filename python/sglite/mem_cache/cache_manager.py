@@ -15,6 +15,8 @@ Contract (who locks, who frees; see scheduler/req.py for the ownership of a row)
 - `release(req, insert=True)`: on finish, insert prompt + output (tokens with KV) and free
   the rest of the row; on retraction (insert=False) free everything the request owns.
 - With the radix cache disabled nothing is ever matched or inserted.
+- Every change of the tree's content is told to `events` (sglite.kv_events): the blocks an
+  insert added, the slots an eviction freed, a flush.
 Invariant at idle: free + evictable + protected == capacity (`check_idle`).
 """
 
@@ -22,16 +24,26 @@ from __future__ import annotations
 
 import numpy as np
 
+from sglite.kv_events.recorder import NullKvEventRecorder
 from sglite.scheduler.req import Req
 
 
 class CacheManager:
-    def __init__(self, tree, allocator, req_to_token_pool, page_size: int, enabled: bool = True):
+    def __init__(
+        self,
+        tree,
+        allocator,
+        req_to_token_pool,
+        page_size: int,
+        enabled: bool = True,
+        events: NullKvEventRecorder | None = None,
+    ):
         self.tree = tree
         self.allocator = allocator
         self.req_to_token_pool = req_to_token_pool
         self.page_size = page_size
         self.enabled = enabled
+        self.events = events if events is not None else NullKvEventRecorder()
         self.num_evicted_tokens = 0
         self.version = 0  # bumped by every change of the tree's content or structure
         # The scheduler writes slots into a host table. On CPU it is the pool's own tensor
@@ -113,6 +125,7 @@ class CacheManager:
             if len(freed):
                 self.version += 1
                 self.num_evicted_tokens += len(freed)
+                self.events.removed(freed)
                 self.allocator.free(freed)
 
     def can_decode(self, reqs: list[Req]) -> bool:
@@ -138,6 +151,9 @@ class CacheManager:
             self.allocator.free(row_slots[req.cached_len : cached_len])
             tree_slots, _ = self.tree.match_prefix(key[:cached_len], req.extra_key)
             self.table[req.row, req.cached_len : cached_len] = tree_slots[req.cached_len :]
+        if cached_len < aligned:  # the row now holds the tree's slots up to cached_len
+            parent = int(self.table[req.row, cached_len - self.page_size]) if cached_len else None
+            self.events.stored(key[cached_len:], row_slots[cached_len:], parent, req.extra_key)
         self.tree.lock(node)
         if req.lock_node is not None:
             self.tree.unlock(req.lock_node)
@@ -212,4 +228,5 @@ class CacheManager:
             if len(freed):
                 self.allocator.free(freed)
             self.tree.reset()
+            self.events.cleared()
             self.version += 1

@@ -161,3 +161,4 @@ def run_scheduler_process(
     finally:
         sched.client.shutdown()
         sched.grammars.shutdown()
+        sched.kv_publisher.shutdown()

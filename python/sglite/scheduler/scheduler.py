@@ -1,9 +1,10 @@
 """Scheduler: the loop that picks the next batch, runs it and processes its results.
 
 Each tick: receive messages -> pick the next batch (prefill first, else decode) -> run it ->
-process its results. `step_normal` runs each batch to completion before the next;
-`step_overlap` launches batch N+1 before processing the result of batch N (results one step
-late; finished requests are never streamed twice nor decoded again). Admission lives in
+process its results; a step ends by publishing the tree's changes (KV events, when on).
+`step_normal` runs each batch to completion before the next; `step_overlap` launches batch
+N+1 before processing the result of batch N (results one step late; finished requests are
+never streamed twice nor decoded again). Admission lives in
 prefill.py, decode memory and retraction in decode.py, streaming in output.py. Constrained
 requests wait in `grammars` for their grammar (sglite.constrained); the overlap loop processes a
 launched batch with constrained rows before it builds the next one.
@@ -26,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from sglite import kv_events
 from sglite.config import ServerArgs
 from sglite.constrained import GrammarBackend, NullGrammarBackend
 from sglite.constrained.grammar_queue import GrammarQueue
@@ -74,8 +76,14 @@ class Scheduler:
         self.args = args
         self.core = core
         tree = core.RadixTree(args.page_size, args.radix_eviction_policy)
+        recorder, self.kv_publisher = kv_events.create(args.kv_events, args.page_size)
         self.cache = CacheManager(
-            tree, allocator, req_to_token_pool, args.page_size, not args.disable_radix_cache
+            tree,
+            allocator,
+            req_to_token_pool,
+            args.page_size,
+            not args.disable_radix_cache,
+            recorder,
         )
         self.policy = SchedulePolicy(args.schedule_policy, self.cache, core, args.random_seed)
         self.client = WorkerClient(worker, overlap=not args.disable_overlap_schedule)
@@ -125,6 +133,7 @@ class Scheduler:
             self._finish_batch(batch, self.launch(batch))
         else:
             self.on_idle()
+        self.kv_publisher.publish(self.cache.events.take())
         self.watchdog.idle()
         return batch is not None
 
@@ -146,6 +155,7 @@ class Scheduler:
             self.pending = (batch, launched)
         else:
             self.on_idle()
+        self.kv_publisher.publish(self.cache.events.take())
         self.watchdog.idle()
         return batch is not None
 
