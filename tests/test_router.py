@@ -143,11 +143,25 @@ def send_group(router: RouterProc, workers: list[ServerProc], prefix: str, n: in
 
 
 def stop_all(router: RouterProc, workers: list[ServerProc]) -> None:
-    router_pid = router.proc.pid
+    """Stop the router and the workers; each exits 0 and leaves no process behind."""
+    pids = [router.proc.pid, *descendants(router.proc.pid)]
+    for w in workers:
+        pids += descendants(w.proc.pid)
     assert router.stop() == 0, router.log()
-    assert descendants(router_pid) == []
     for w in workers:
         assert w.stop() == 0, w.log()
+    deadline = time.monotonic() + 15
+    while alive := [p for p in pids if _is_running(p)]:
+        assert time.monotonic() < deadline, f"processes left: {alive}"
+        time.sleep(0.1)
+
+
+def _is_running(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"
 
 
 # ---------------------------------------------------------------------- real engine
