@@ -3,7 +3,7 @@ through its own CLI, `python -m sglang_router.launch_router`), all on 127.0.0.1.
 
 Two real servers on the tiny random llama sit behind a `cache_aware` router: the router
 registers them (health, /server_info, /model_info), forwards /generate and the OpenAI
-routes (greedy answers equal a worker's own), polls /get_load, fans out /flush_cache, and
+routes (greedy answers equal a worker's own), reads /get_load, fans out /flush_cache, and
 keeps requests that share a long prefix on one worker (counted by each worker's
 `sglang:num_requests_total`; the sticky worker's prefix cache hits). Requests are sent one
 at a time, so the router never sees a load imbalance and routes by prefix only. Last, one
