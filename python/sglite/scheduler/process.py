@@ -100,6 +100,8 @@ def build_scheduler(
         "model_path": str(runner.model_path),
         "tokenizer_path": str(args.tokenizer_path or runner.tokenizer_path),
         "context_length": cfg.context_length,
+        "model_type": cfg.model_type,
+        "architectures": [cfg.architecture],
         "max_total_tokens": runner.allocator.capacity(),
         "max_running_requests": sched.max_running,
         "vocab_size": cfg.vocab_size,

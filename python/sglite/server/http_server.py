@@ -6,7 +6,9 @@ All errors leave as JSON `{"error": {"message", "type", "param", "code"}}`: bad 
 401, an overloaded, stuck or dying server a 503 (with Retry-After when the waiting queue is
 full). POST bodies are parsed as JSON whatever their Content-Type (curl -d sends form
 encoding). /get_server_info has SGLang's flat shape: the server args, the model facts and
-the scheduler's stats at the top level, the stats again in `internal_states`.
+the scheduler's stats at the top level, the stats again in `internal_states`. Both info
+routes also answer under SGLang's newer names (/server_info, /model_info), which SGLang's
+router asks first.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from sglite.server.protocol import (
     GenerateRequest,
     error_body,
 )
+from sglite.server.router_api import add_router_routes
 from sglite.server.tokenize_api import add_tokenize_routes
 from sglite.server.tokenizer_manager import TokenizerManager
 from sglite.version import __version__
@@ -185,6 +188,7 @@ def create_app(tm: TokenizerManager) -> FastAPI:
             raise RequestError("the health-check request was aborted", 503)
         return Response(status_code=200)
 
+    @app.get("/model_info")  # SGLang's newer name; the router asks it first
     @app.get("/get_model_info")
     async def get_model_info() -> dict[str, Any]:
         info = tm.model_info
@@ -196,8 +200,11 @@ def create_app(tm: TokenizerManager) -> FastAPI:
             "context_length": tm.context_length,
             "vocab_size": tm.vocab_size,
             "max_total_tokens": info.get("max_total_tokens"),
+            "model_type": info.get("model_type"),
+            "architectures": info.get("architectures"),
         }
 
+    @app.get("/server_info")
     @app.get("/get_server_info")
     async def get_server_info() -> dict[str, Any]:
         stats = await tm.get_stats()
@@ -243,6 +250,7 @@ def create_app(tm: TokenizerManager) -> FastAPI:
         return Response(tm.metrics.render(), media_type=CONTENT_TYPE)
 
     add_tokenize_routes(app, tm, parse_body)
+    add_router_routes(app, tm)
 
     # ------------------------------------------------------------------ OpenAI
     def model_card() -> dict[str, Any]:
