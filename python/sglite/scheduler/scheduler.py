@@ -4,10 +4,10 @@ Each tick: receive messages -> pick the next batch (prefill first, else decode) 
 process its results; a step ends by publishing the tree's changes (KV events, when on).
 `step_normal` runs each batch to completion before the next; `step_overlap` launches batch
 N+1 before processing the result of batch N (results one step late; finished requests are
-never streamed twice nor decoded again). Admission lives in
-prefill.py, decode memory and retraction in decode.py, streaming in output.py. Constrained
-requests wait in `grammars` for their grammar (sglite.constrained); the overlap loop processes a
-launched batch with constrained rows before it builds the next one.
+never streamed twice nor decoded again). Admission lives in prefill.py, decode memory and
+retraction in decode.py, result processing and finishing in results.py, streaming in
+output.py. Constrained requests wait in `grammars` for their grammar (sglite.constrained);
+the overlap loop processes a launched batch with constrained rows before it builds the next.
 
 Lifetime of a request's KV in the overlap loop: a launched batch reads its requests' rows of
 the request table (on CPU the very table the scheduler writes) until its result is processed.
@@ -31,7 +31,6 @@ from sglite import kv_events
 from sglite.config import ServerArgs
 from sglite.constrained import GrammarBackend, NullGrammarBackend
 from sglite.constrained.grammar_queue import GrammarQueue
-from sglite.constrained.matching import accept_token
 from sglite.logprobs import RowLogprobs
 from sglite.mem_cache.cache_manager import CacheManager
 from sglite.messages import (
@@ -50,6 +49,7 @@ from sglite.scheduler.output import OutputStreamer
 from sglite.scheduler.policy import SchedulePolicy
 from sglite.scheduler.prefill import PrefillManager
 from sglite.scheduler.req import Req, StopChecker
+from sglite.scheduler.results import ResultProcessor
 from sglite.scheduler.watchdog import NullWatchdog
 from sglite.scheduler.worker import Launched, Worker, WorkerClient
 
@@ -100,10 +100,7 @@ class Scheduler:
             args.grammar_compile_timeout,
         )
         self.running: list[Req] = []
-        self.future_of: dict[int, int] = {}  # id(req) -> future slot of its in-flight token
         self.pending: tuple[ScheduleBatch, Launched] | None = None  # overlap: launched, unprocessed
-        # finished requests whose KV a launched batch still reads: id -> (req, insert)
-        self.releasing: dict[int, tuple[Req, bool]] = {}
         self.processed_tokens = 0
         self.ran_since_idle = False  # a batch ran since the last on_idle: trim the heap there
         self.counters = {
@@ -112,6 +109,11 @@ class Scheduler:
             "num_prompt_tokens_total": 0, "num_cached_tokens_total": 0,
             "num_generated_tokens_total": 0, "num_rejected_reqs": 0,
         }  # fmt: skip
+        self.results = ResultProcessor(
+            self.cache, self.client, self.stop_checker, self.streamer, self.counters
+        )
+        self.future_of = self.results.future_of  # id(req) -> future slot of its in-flight token
+        self.releasing = self.results.releasing  # finished; a launched batch still reads its KV
         self.started_at = time.monotonic()
         self.watchdog = watchdog or NullWatchdog()
         self.decode = DecodeManager(self.cache, args.schedule_conservativeness, self._free_kv)
@@ -346,65 +348,12 @@ class Scheduler:
         tokens: np.ndarray,
         logprobs: list[RowLogprobs | None] | None = None,
     ) -> None:
-        alloc = self.cache.allocator
-        alloc.free_group_begin()
-        touched: list[Req] = []
-        try:
-            slots = batch.future_slots.tolist()
-            toks = tokens.tolist()
-            for i, req in enumerate(batch.reqs):
-                req.in_flight -= 1
-                if req.epoch != batch.epochs[i] or req.finished:
-                    continue
-                row_logprobs = logprobs[i] if logprobs else None
-                req.add_input_logprobs(row_logprobs)
-                if not batch.sample_mask[i]:
-                    continue
-                if self.future_of.get(id(req)) == slots[i]:
-                    del self.future_of[id(req)]
-                touched.append(req)
-                if self._append_token(req, toks[i], batch, i):
-                    req.add_output_logprob(row_logprobs)
-            if self.releasing:
-                for req in batch.reqs:
-                    if req.in_flight == 0 and id(req) in self.releasing:
-                        self._release(*self.releasing.pop(id(req)))
-        finally:
-            alloc.free_group_end()
-        self.streamer.stream(touched)
+        self.results.process(batch, tokens, logprobs)
         if any(r.finished for r in self.running):
             self.running = [r for r in self.running if not r.finished]
 
-    def _append_token(self, req: Req, token: int, batch: ScheduleBatch, i: int) -> bool:
-        """Append the sampled token (False: max_new_tokens 0, the token is dropped)."""
-        if req.max_new_tokens == 0:
-            self.finish(req, {"type": "length", "length": 0})
-            return False
-        req.output_ids.append(token)
-        self.counters["num_generated_tokens_total"] += 1
-        reason = accept_token(req, token) if req.grammar is not None else None
-        reason = reason or self.stop_checker.check(req)
-        if reason is not None:
-            self.finish(req, reason)
-        elif not batch.is_decode[i]:
-            self.cache.checkpoint(req, batch.ends[i])  # publish the prompt right after prefill
-        return True
-
     def finish(self, req: Req, reason: dict[str, Any]) -> None:
-        req.finished_reason = reason
-        self.future_of.pop(id(req), None)
-        if req.has_kv:
-            insert = reason.get("type") != "abort"
-            if req.in_flight:  # a launched batch still reads its row (see the module doc)
-                self.releasing[id(req)] = (req, insert)
-            else:
-                self._release(req, insert)
-        key = "num_aborted_reqs" if reason.get("type") == "abort" else "num_finished_reqs"
-        self.counters[key] += 1
-
-    def _release(self, req: Req, insert: bool) -> None:
-        self.cache.release(req, insert=insert)
-        self.client.release([req.rid])
+        self.results.finish(req, reason)
 
     def on_idle(self) -> None:
         if self.has_work():
