@@ -112,14 +112,16 @@ def build_scheduler(
 
 
 def run_scheduler_process(
-    args: ServerArgs, ipc, ready_conn, heartbeat: Heartbeat | None = None
+    args: ServerArgs, ipc, ready_conn, heartbeat: Heartbeat | None = None, dp_rank: int = 0
 ) -> None:
+    """`dp_rank`: which data-parallel replica this is (--dp-size); its control replies say so."""
     import zmq
 
     from sglite.ipc import Receiver, Sender
 
+    name = "scheduler" if args.dp_size == 1 else f"scheduler dp{dp_rank}"
     logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s [scheduler] %(levelname)s %(message)s"
+        level=args.log_level.upper(), format=f"%(asctime)s [{name}] %(levelname)s %(message)s"
     )
     parent = os.getppid()
     ctx = zmq.Context()
@@ -127,8 +129,13 @@ def run_scheduler_process(
     to_tok = Sender(ctx, ipc.tokenizer)
     inbox = Receiver(ctx, ipc.scheduler_input)
     watchdog = Watchdog(args.watchdog_timeout, heartbeat=heartbeat)
+
+    def send_control(msg) -> None:
+        msg.dp_rank = dp_rank
+        to_tok.send(msg)
+
     try:
-        sched, info = build_scheduler(args, to_detok.send, to_tok.send, watchdog)
+        sched, info = build_scheduler(args, to_detok.send, send_control, watchdog)
     except Exception as e:  # reported to the launcher, which prints it and exits
         ready_conn.send(ReadyMsg("scheduler", False, f"{e}\n{traceback.format_exc()}"))
         return
