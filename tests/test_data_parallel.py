@@ -152,3 +152,78 @@ def test_a_replica_that_fails_to_start_fails_the_start_up(tok_dir, tmp_path):
     assert "server exited with 1" in log
     assert "the scheduler process of data-parallel replica 1 failed to start" in log
     assert "fake: replica 1 fails" in log
+
+
+# ---------------------------------------------------------------------- tiny model
+def _hf_greedy(model_dir, ids: list[int], steps: int) -> list[int]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from fixtures.model_driver import hf_greedy
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    with torch.no_grad():
+        return hf_greedy(model, ids, steps)[0]
+
+
+def test_server_dp2_round_robin_matches_transformers(tiny_model_dir, tmp_path):
+    model_dir = tiny_model_dir("llama")
+    srv = start_server(
+        ["--model-path", str(model_dir), "--dp-size", "2", "--max-total-tokens", "4096"],
+        tmp_path / "log",
+        fake=False,
+        timeout=300,
+    )
+    try:
+        prompts = [[11, 22, 33, 44, 55, 66], [101, 102, 103, 104, 105]]
+        outs = []
+        for ids in prompts:  # round robin: replica 0, then replica 1
+            body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 6, **GREEDY}}
+            r = httpx.post(srv.url + "/generate", json=body, timeout=120)
+            assert r.status_code == 200, r.text
+            outs.append(r.json()["output_ids"])
+        assert outs == [_hf_greedy(model_dir, ids, 6) for ids in prompts]
+        srv_info = info(srv)
+        replicas = srv_info["internal_states"]
+        assert [s["num_finished_reqs"] for s in replicas] == [1, 1]
+        assert [s["kv_total_tokens"] for s in replicas] == [4096, 4096]
+        assert srv_info["kv_total_tokens"] == 8192 and srv_info["num_finished_reqs"] == 2
+        assert httpx.post(srv.url + "/flush_cache", timeout=30).status_code == 200
+    finally:
+        assert srv.stop() == 0, srv.log()
+
+
+def test_engine_dp2_cache_aware_keeps_a_prefix_on_one_replica(tiny_model_dir):
+    """Two groups of prompts, each sharing a 99-token prefix, arrive a0 a1 b0 b1 a2 b2 a3
+    b3: cache_aware puts each group on its own replica, so each replica computes its
+    group's prefix once (round robin would put a0, b0, a2, b2 on replica 0)."""
+    import random
+
+    import sglite
+
+    model_dir = tiny_model_dir("llama")
+    rng = random.Random(0)
+    prefix = {g: [rng.randrange(10, 380) for _ in range(96)] + [1, 2, 3] for g in "ab"}
+    order = ["a0", "a1", "b0", "b1", "a2", "b2", "a3", "b3"]
+    greedy = {"max_new_tokens": 4, **GREEDY}
+    with sglite.Engine(
+        model_path=str(model_dir),
+        dp_size=2,
+        load_balance_method="cache_aware",
+        max_total_tokens=4096,
+        log_level="warning",
+    ) as engine:
+        outs = {
+            name: engine.generate(
+                input_ids=prefix[name[0]] + [200 + int(name[1])], sampling_params=greedy
+            )
+            for name in order
+        }
+        replicas = engine._call(engine.tm.get_replica_stats())
+    assert [s["num_finished_reqs"] for s in replicas] == [4, 4]
+    # each replica: the 3 later prompts of its group hit the 99-token prefix
+    assert all(s["num_cached_tokens_total"] >= 3 * 99 for s in replicas), replicas
+    assert [outs[n]["meta_info"]["cached_tokens"] for n in order[:3]] == [0, 99, 0]
+    for name in ("a0", "b0"):  # one answer from each replica
+        ids = prefix[name[0]] + [200]
+        assert outs[name]["output_ids"] == _hf_greedy(model_dir, ids, 4)

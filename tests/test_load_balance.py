@@ -80,6 +80,13 @@ def test_cache_aware_gives_up_affinity_when_the_replica_is_overloaded():
     assert ca.choose(SYSTEM, [3, 2]) == 1
 
 
+def test_cache_aware_spreads_distinct_prefixes_when_idle():
+    ca = CacheAware(2)
+    a, b = SYSTEM, [7] * len(SYSTEM)
+    order = [a, b, a + [1], b + [1], a + [2], b + [2]]
+    assert [ca.choose(p, [0, 0]) for p in order] == [0, 1, 0, 1, 0, 1]
+
+
 def test_cache_aware_short_prompts_go_to_the_least_loaded():
     ca = CacheAware(3)
     assert ca.choose([1, 2, 3], [2, 0, 1]) == 1

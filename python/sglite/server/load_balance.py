@@ -105,7 +105,9 @@ class CacheAware(LoadBalancer):
     system prompt or a few-shot preamble meet their cached KV, unless that replica has more
     than IMBALANCE_LIMIT in-flight requests over the least loaded one (affinity must not
     pile everything on one replica). No match (or a prompt shorter than one block): the
-    least loaded replica. The chosen replica's index then learns the prompt's blocks."""
+    least loaded replica, and among equally loaded ones the one whose index holds the fewest
+    blocks, so distinct prefixes spread over the replicas even when the server is idle. The
+    chosen replica's index then learns the prompt's blocks."""
 
     def __init__(self, num_replicas: int, kv_capacity: int | None = None):
         super().__init__(num_replicas)
@@ -114,7 +116,7 @@ class CacheAware(LoadBalancer):
 
     def choose(self, input_ids: Sequence[int], loads: Sequence[int]) -> int:
         hashes = prefix_block_hashes(input_ids)
-        idx = least_loaded(loads)
+        idx = min(range(self.num_replicas), key=lambda i: (loads[i], len(self.indexes[i]), i))
         if hashes:
             matched = [index.match_len(hashes) for index in self.indexes]
             best = max(range(self.num_replicas), key=lambda i: (matched[i], -loads[i], -i))
