@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import zmq
 
-from sglite.messages import AbortReq, FlushCacheResp, GenerateReq, GetStatsReq
+from sglite.messages import AbortReq, FlushCacheResp, GenerateReq, GetStatsReq, StatsResp
 from sglite.sampling_params import SamplingParams
 from sglite.server.dp_dispatcher import Dispatcher, merge_flush, merge_stats
 from sglite.server.load_balance import (
@@ -104,7 +104,8 @@ def _req(rid: str, ids: list[int]) -> GenerateReq:
 def test_dispatcher_routes_generate_once_and_broadcasts_the_rest(tmp_path):
     ctx = zmq.Context()
     addrs = [f"ipc://{tmp_path}/s{i}" for i in range(2)]
-    d = Dispatcher(ctx, addrs, ShortestQueue(2))
+    d = Dispatcher(addrs, ShortestQueue(2))
+    d.bind(ctx)
     try:
         assert d.targets(_req("a", [1])) == [0]
         assert d.targets(_req("a", [1])) == [0]  # a retried send keeps its replica
@@ -116,7 +117,12 @@ def test_dispatcher_routes_generate_once_and_broadcasts_the_rest(tmp_path):
         d.done("a")  # idempotent
         assert d.loads == [0, 1]
         assert d.targets(_req("c", [1])) == [0]
-        assert d.replica_counts(0) == {"num_routed_reqs": 2, "num_inflight_reqs": 1}
+        stats = d.replica_stats([StatsResp({"x": 1}, dp_rank=1), StatsResp({"x": 2})])
+        assert [(s["dp_rank"], s["x"], s["num_routed_reqs"]) for s in stats] == [
+            (0, 2, 2),
+            (1, 1, 1),
+        ]
+        assert stats[0]["num_inflight_reqs"] == 1
     finally:
         d.close()
         ctx.term()

@@ -17,9 +17,10 @@ from typing import Any
 
 import zmq
 
-from sglite.ipc import Sender
-from sglite.messages import FlushCacheResp, GenerateReq
-from sglite.server.load_balance import LoadBalancer
+from sglite.dp_replicas import replica_inputs
+from sglite.ipc import IpcNames, Sender
+from sglite.messages import FlushCacheResp, GenerateReq, StatsResp
+from sglite.server.load_balance import LoadBalancer, create_load_balancer
 
 # per-replica stats that are not summed over the replicas
 _RATIOS = {
@@ -31,20 +32,37 @@ _MAXED = {"new_token_ratio", "uptime_s"}
 
 
 class Dispatcher:
-    """Routes the TokenizerManager's messages to N replica input sockets (see module doc)."""
+    """Routes the TokenizerManager's messages to N replica input sockets (see module doc).
 
-    def __init__(self, ctx: zmq.Context, addrs: Sequence[str], balancer: LoadBalancer):
+    Routing state lives from construction; the sockets from `bind(ctx)` to `close()`."""
+
+    def __init__(self, addrs: Sequence[str], balancer: LoadBalancer):
         if len(addrs) != balancer.num_replicas:
             raise ValueError(f"{len(addrs)} replica addresses for {balancer.num_replicas}")
-        self.senders = [Sender(ctx, addr, bind=True) for addr in addrs]
+        self.addrs = list(addrs)
+        self.senders: list[Sender] = []
         self.balancer = balancer
         self.loads = [0] * len(addrs)  # in-flight requests per replica
         self.num_routed = [0] * len(addrs)  # requests ever routed per replica
         self.rank_of: dict[str, int] = {}
 
+    @classmethod
+    def for_server(
+        cls, ipc: IpcNames | None, server_args: Any, kv_capacity: int | None
+    ) -> Dispatcher:
+        """The dispatcher of a server's --dp-size replicas (`kv_capacity`: one replica's)."""
+        dp_size = int(getattr(server_args, "dp_size", 1))
+        method = getattr(server_args, "load_balance_method", "round_robin")
+        balancer = create_load_balancer(method, dp_size, kv_capacity)
+        addrs = replica_inputs(ipc, dp_size) if ipc is not None else [""] * dp_size
+        return cls(addrs, balancer)
+
+    def bind(self, ctx: zmq.Context) -> None:
+        self.senders = [Sender(ctx, addr, bind=True) for addr in self.addrs]
+
     @property
     def num_replicas(self) -> int:
-        return len(self.senders)
+        return len(self.addrs)
 
     def targets(self, msg: Any) -> list[int]:
         """The replicas `msg` goes to; routes a GenerateReq on first sight (a retried send
@@ -79,13 +97,25 @@ class Dispatcher:
         if rank is not None:
             self.loads[rank] -= 1
 
-    def replica_counts(self, rank: int) -> dict[str, int]:
-        """The dispatcher's own view of replica `rank`, added to its stats."""
-        return {"num_routed_reqs": self.num_routed[rank], "num_inflight_reqs": self.loads[rank]}
+    def replica_stats(self, replies: Sequence[StatsResp]) -> list[dict[str, Any]]:
+        """Each replica's stats; with several replicas, also its `dp_rank` and the
+        dispatcher's counts for it (`num_routed_reqs`, `num_inflight_reqs`)."""
+        if self.num_replicas == 1:
+            return [r.stats for r in replies]
+        return [
+            {
+                **r.stats,
+                "dp_rank": r.dp_rank,
+                "num_routed_reqs": self.num_routed[r.dp_rank],
+                "num_inflight_reqs": self.loads[r.dp_rank],
+            }
+            for r in sorted(replies, key=lambda r: r.dp_rank)
+        ]
 
     def close(self) -> None:
         for sender in self.senders:
             sender.close()
+        self.senders = []
 
 
 def merge_stats(per_replica: Sequence[dict[str, Any]]) -> dict[str, Any]:

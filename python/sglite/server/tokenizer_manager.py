@@ -28,7 +28,6 @@ import zmq
 import zmq.asyncio
 
 from sglite.constrained import edge_check
-from sglite.dp_replicas import replica_inputs
 from sglite.ipc import AsyncReceiver, IpcNames
 from sglite.messages import (
     AbortReq,
@@ -43,7 +42,6 @@ from sglite.sampling_params import model_sampling_defaults
 from sglite.scheduler.watchdog import Heartbeat, stall_threshold
 from sglite.server.dp_dispatcher import Dispatcher, merge_flush, merge_stats
 from sglite.server.inputs import InputProcessor, Prompt, RequestError
-from sglite.server.load_balance import create_load_balancer
 from sglite.server.logprob_format import LogprobLists, TokenTexts
 from sglite.server.metrics import create_metrics
 from sglite.server.req_state import ReqState
@@ -108,7 +106,8 @@ class TokenizerManager:
         )
         self.dead_reason: str | None = None  # set when a child process died
         self.heartbeat = heartbeat or Heartbeat()  # when the scheduler's current step began
-        self.dp_size = int(getattr(server_args, "dp_size", 1))
+        self.dispatcher = Dispatcher.for_server(ipc, server_args, self.max_total_tokens)
+        self.dp_size = self.dispatcher.num_replicas
         # one queue per (reply type, replica): each replica answers in the order it was asked
         self._waiters: dict[tuple[type, int], deque[asyncio.Future]] = {
             (kind, rank): deque()
@@ -133,12 +132,7 @@ class TokenizerManager:
         self.loop = asyncio.get_running_loop()
         self._ctx = zmq.Context()
         self._actx = zmq.asyncio.Context.shadow(self._ctx)
-        balancer = create_load_balancer(
-            getattr(self.server_args, "load_balance_method", "round_robin"),
-            self.dp_size,
-            self.max_total_tokens,
-        )
-        self.dispatcher = Dispatcher(self._ctx, replica_inputs(self.ipc, self.dp_size), balancer)
+        self.dispatcher.bind(self._ctx)
         self._receiver = AsyncReceiver(self._actx, self.ipc.tokenizer, bind=True)
         self._recv_task = asyncio.create_task(self._recv_loop(), name="sglite-recv")
 
@@ -242,12 +236,15 @@ class TokenizerManager:
         """Best effort, no waiting: a replica that cannot be reached is skipped."""
         self.dispatcher.send(msg)
 
+    def _send_to(self, rank: int, msg: Any) -> None:
+        self.dispatcher.send_to(rank, msg)
+
     async def _send_retrying(self, msg: Any) -> None:
         for rank in self.dispatcher.targets(msg):
             deadline = time.monotonic() + SEND_RETRY_S
             while True:
                 try:
-                    self.dispatcher.send_to(rank, msg)
+                    self._send_to(rank, msg)
                     break
                 except zmq.Again:
                     if time.monotonic() > deadline:
@@ -404,13 +401,7 @@ class TokenizerManager:
     async def get_replica_stats(self) -> list[dict[str, Any]]:
         """Each replica's scheduler stats (with its dp_rank and the dispatcher's counts);
         also refreshes the metrics' gauges with their sum."""
-        replies = await self._control(GetStatsReq(), StatsResp)
-        per_replica = [
-            {**r.stats, "dp_rank": r.dp_rank, **self.dispatcher.replica_counts(r.dp_rank)}
-            if self.dp_size > 1
-            else r.stats
-            for r in replies
-        ]
+        per_replica = self.dispatcher.replica_stats(await self._control(GetStatsReq(), StatsResp))
         self.metrics.update_from_stats(merge_stats(per_replica))
         return per_replica
 
