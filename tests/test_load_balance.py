@@ -157,3 +157,22 @@ def test_merge_flush_names_the_replicas_that_refused():
     resp = merge_flush([FlushCacheResp(True), FlushCacheResp(False, "busy", dp_rank=1)])
     assert not resp.success and "replica 1: busy" in resp.message
     assert merge_flush([FlushCacheResp(False, "busy")]).message == "busy"
+
+
+def test_replica_processes_are_named_in_death_messages():
+    from sglite.config import ServerArgs
+    from sglite.dp_replicas import replica_name, replica_rank
+    from sglite.launcher import death_reason
+    from sglite.scheduler.watchdog import WATCHDOG_EXIT_CODE
+
+    args = ServerArgs(dp_size=2)
+    assert [replica_name(r, 2) for r in range(2)] == ["scheduler_dp0", "scheduler_dp1"]
+    assert replica_name(0, 1) == "scheduler" and replica_rank("detokenizer") is None
+    assert death_reason("scheduler_dp1", 3, args) == (
+        "the scheduler process of data-parallel replica 1 died (exit code 3)"
+    )
+    assert death_reason("scheduler_dp0", WATCHDOG_EXIT_CODE, args).startswith(
+        "the scheduler process of data-parallel replica 0 was stopped by its watchdog"
+    )
+    assert death_reason("scheduler", 3, args) == "the scheduler process died (exit code 3)"
+    assert death_reason("detokenizer", 1, args) == "the detokenizer process died (exit code 1)"
