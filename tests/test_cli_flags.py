@@ -23,8 +23,6 @@ def _refused(argv: list[str], capsys) -> str:
     "argv,flag,what",
     [
         (["--quantization", "fp8"], "--quantization", "quantization"),
-        (["--dp-size", "2"], "--dp-size", "data parallelism"),
-        (["--dp=2"], "--dp", "data parallelism"),
         (["--speculative-algorithm", "EAGLE"], "--speculative-algorithm", "speculative"),
         (["--speculative-num-steps", "3"], "--speculative-num-steps", "speculative"),
         (["--lora-paths", "a=/x"], "--lora-paths", "LoRA"),

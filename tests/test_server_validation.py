@@ -321,7 +321,7 @@ def test_queue_limit_counts_waiting_requests_only():
     from sglite.server.tokenizer_manager import QueueFullError
 
     tm = _manager(max_queued_requests=2)
-    tm._send = lambda msg: None  # no scheduler: sending always succeeds
+    tm._send = tm._send_to = lambda *a: None  # no scheduler: sending always succeeds
     tm.states["running"] = SimpleNamespace(first_output=1.0)
     tm.states["waiting"] = SimpleNamespace(first_output=None)
     batch = [Prompt(f"b{i}", [1], None) for i in range(5)]
@@ -337,7 +337,7 @@ def test_no_queue_limit_by_default():
     from types import SimpleNamespace
 
     tm = _manager()
-    tm._send = lambda msg: None
+    tm._send = tm._send_to = lambda *a: None
     for i in range(3000):
         tm.states[f"w{i}"] = SimpleNamespace(first_output=None)
     asyncio.run(tm.submit([Prompt("r", [1], None)], stream=False))

@@ -121,6 +121,7 @@ def test_submit_failure_aborts_each_request_exactly():
 
     tm = _manager()
     tm._send = send
+    tm._send_to = lambda rank, msg: send(msg)
     with pytest.raises(RuntimeError, match="socket closed"):
         asyncio.run(tm.submit([_prompt("a"), _prompt("ab")], stream=False))
     assert [type(m).__name__ for m in sent] == ["GenerateReq", "AbortReq", "AbortReq"]

@@ -26,6 +26,11 @@ def build_parser(prog: str = "sglite serve") -> argparse.ArgumentParser:
     parser.add_argument(
         "--tp", dest="tp_size", type=int, default=argparse.SUPPRESS, help=argparse.SUPPRESS
     )
+    # and of --dp-size (`--dp 2`, `--data-parallel-size 2`)
+    for alias in ("--dp", "--data-parallel-size"):
+        parser.add_argument(
+            alias, dest="dp_size", type=int, default=argparse.SUPPRESS, help=argparse.SUPPRESS
+        )
     return parser
 
 

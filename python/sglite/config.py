@@ -16,6 +16,7 @@ from sglite.attention import BACKENDS, default_backend
 from sglite.constrained import GRAMMAR_BACKENDS
 from sglite.kv_events.config import KvEventsConfig, parse_kv_events_config
 from sglite.parsers import REASONING_FORMATS, TOOL_CALL_PARSERS
+from sglite.server.load_balance import LOAD_BALANCE_METHODS
 
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random", "hrrn", "shortest-prefill-first")
 EVICTION_POLICIES = ("lru", "lfu", "fifo", "priority")
@@ -110,6 +111,18 @@ class ServerArgs:
     disable_cuda_graph: bool = _f(False, "Run decode eagerly on CUDA.")
     cuda_graph_max_bs: int | None = _f(None, "Largest decode batch captured in a CUDA graph.")
     tp_size: int = _f(1, "Tensor-parallel size (1 is supported).")
+    dp_size: int = _f(
+        1,
+        "Data-parallel replicas: N scheduler processes, each a full copy of the model with "
+        "its own KV cache, behind one HTTP server (on CPU they share the cores).",
+    )
+    load_balance_method: str = _f(
+        "round_robin",
+        "How --dp-size replicas get requests: round_robin; shortest_queue (fewest in-flight "
+        "requests, counted by the dispatcher); cache_aware (the replica that already saw the "
+        "prompt's longest prefix, by 16-token block hashes, unless it is overloaded).",
+        choices=tuple(LOAD_BALANCE_METHODS),
+    )
     log_level: str = _f("info", "Log level.", choices=LOG_LEVELS)
     served_model_name: str | None = _f(
         None, "Model name in /v1/models and responses (default: --model-path as given)."
@@ -239,6 +252,8 @@ class ServerArgs:
             bad("context_length", f"must be >= 2, got {self.context_length}")
         if self.tp_size != 1:
             bad("tp_size", f"only 1 is supported for now, got {self.tp_size}")
+        if self.dp_size < 1:
+            bad("dp_size", f"must be >= 1, got {self.dp_size}")
         if not 0 < self.port < 65536:
             bad("port", f"must be in 1..65535, got {self.port}")
         if not 0 < self.schedule_conservativeness <= 10:

@@ -2,6 +2,8 @@
 watches them, and tears everything down (children, IPC files) however the server ends.
 
 `start_backend()` is shared by the HTTP server (`launch_server`) and the offline Engine.
+With `--dp-size N` there are N scheduler processes (dp_replicas.py names them); start-up
+fails if any one fails, and any one dying takes the server down, named in the log line.
 Children are spawned (never forked), ignore Ctrl-C (the parent shuts them down) and die
 with their parent. A child that exits while serving takes the server down with a log line
 naming it, instead of leaving a port that accepts requests nobody answers. A scheduler
@@ -28,6 +30,13 @@ from typing import Any
 
 from sglite import env
 from sglite.config import ServerArgs
+from sglite.dp_replicas import (
+    HeartbeatGroup,
+    describe_process,
+    replica_ipc,
+    replica_name,
+    replica_rank,
+)
 from sglite.ipc import IpcNames
 from sglite.scheduler.watchdog import WATCHDOG_EXIT_CODE, Heartbeat
 from sglite.server.tokenizer import apply_chat_template_override
@@ -91,21 +100,23 @@ def _child_main(
 
 def death_reason(name: str, code: int | None, server_args: ServerArgs) -> str:
     """The sentence that says why a child process ended while serving."""
-    if name == "scheduler" and code == WATCHDOG_EXIT_CODE:
+    who = describe_process(name)
+    if replica_rank(name) is not None and code == WATCHDOG_EXIT_CODE:
         return (
-            "the scheduler process was stopped by its watchdog: one step ran longer than "
+            f"{who} was stopped by its watchdog: one step ran longer than "
             f"--watchdog-timeout ({server_args.watchdog_timeout:g} s); the server log shows "
             "what it was doing and the stacks of its threads"
         )
-    return f"the {name} process died (exit code {code})"
+    return f"{who} died (exit code {code})"
 
 
 class ProcessGroup:
-    """The scheduler and detokenizer processes of one server.
+    """The scheduler (one per --dp-size replica) and detokenizer processes of one server.
 
-    Every entry is called as `entry(server_args, ipc, ready_conn)` in its child; the
-    scheduler entry also gets `heartbeat=self.heartbeat` (shared memory: when its current
-    step started), which the main process reads for /health.
+    Every entry is called as `entry(server_args, ipc, ready_conn)` in its child; a
+    scheduler entry also gets `heartbeat=` its replica's heartbeat (shared memory: when its
+    current step started), which the main process reads for /health, and with --dp-size > 1
+    `dp_rank=` its replica index and an `ipc` whose scheduler_input is its own.
     """
 
     def __init__(
@@ -118,24 +129,40 @@ class ProcessGroup:
     ):
         self.server_args = server_args
         self.ipc = ipc
-        self.entries = {"scheduler": scheduler_entry, "detokenizer": detokenizer_entry}
+        dp = server_args.dp_size
+        self.entries: dict[str, Entry] = {
+            replica_name(rank, dp): scheduler_entry for rank in range(dp)
+        }
+        self.entries["detokenizer"] = detokenizer_entry
         self.procs: dict[str, Any] = {}
         self._conns: dict[str, Any] = {}
         self._stopping = threading.Event()
-        self.heartbeat = Heartbeat.shared()
+        self.heartbeats = [Heartbeat.shared() for _ in range(dp)]
+        self.heartbeat: Any = self.heartbeats[0] if dp == 1 else HeartbeatGroup(self.heartbeats)
+        self.infos: dict[str, dict[str, Any]] = {}  # each child's ready info
+
+    def _child_args(self, name: str) -> tuple[IpcNames, dict[str, Any]]:
+        rank, dp = replica_rank(name), self.server_args.dp_size
+        if rank is None:
+            return self.ipc, {}
+        extra: dict[str, Any] = {"heartbeat": self.heartbeats[rank]}
+        if dp > 1:
+            extra["dp_rank"] = rank
+        return replica_ipc(self.ipc, rank, dp), extra
 
     def start(self) -> dict[str, Any]:
-        """Spawn both children; block until both report ready. Returns the scheduler info."""
+        """Spawn the children; block until all report ready. Returns the (first) scheduler's
+        info."""
         ctx = mp.get_context("spawn")
         env.apply_openmp_defaults()
         for name, entry in self.entries.items():
             parent_conn, child_conn = ctx.Pipe(duplex=False)
-            extra = {"heartbeat": self.heartbeat} if name == "scheduler" else {}
+            ipc, extra = self._child_args(name)
             proc = ctx.Process(
                 target=_child_main,
                 name=f"sglite-{name}",
                 daemon=True,
-                args=(entry, self.server_args, self.ipc, child_conn, os.getpid(), extra),
+                args=(entry, self.server_args, ipc, child_conn, os.getpid(), extra),
             )
             with _main_module_hidden():
                 proc.start()
@@ -145,7 +172,7 @@ class ProcessGroup:
 
     def _wait_ready(self) -> dict[str, Any]:
         pending = dict(self._conns)
-        infos: dict[str, dict[str, Any]] = {}
+        infos = self.infos
         t0 = next_note = time.monotonic()
         next_note += PROGRESS_EVERY_S
         while pending:
@@ -160,13 +187,13 @@ class ProcessGroup:
                         msg = None
                     if msg is None or not msg.ok:
                         error = msg.error if msg is not None else "(no message)"
-                        raise StartupError(f"the {name} process failed to start:\n{error}")
+                        raise StartupError(f"{describe_process(name)} failed to start:\n{error}")
                     infos[name] = msg.info
                     del pending[name]
                     logger.info("%s ready (%.1f s)", name, time.monotonic() - t0)
                 elif not proc.is_alive():
                     raise StartupError(
-                        f"the {name} process exited with code {proc.exitcode} "
+                        f"{describe_process(name)} exited with code {proc.exitcode} "
                         "before it was ready (see its log above)"
                     )
             if pending and time.monotonic() >= next_note:
@@ -176,7 +203,7 @@ class ProcessGroup:
                     " and ".join(pending),
                     time.monotonic() - t0,
                 )
-        return infos["scheduler"]
+        return infos[replica_name(0, self.server_args.dp_size)]
 
     def watch(self, on_death: Callable[[str, int | None], None]) -> None:
         """Call `on_death(name, exitcode)` (from a thread) if a child exits unasked."""

@@ -3,6 +3,8 @@
 Flow: TokenizerManager --(GenerateReq, AbortReq, FlushCacheReq, GetStatsReq)--> Scheduler
       Scheduler --(BatchTokenOutput)--> Detokenizer --(BatchTextOutput)--> TokenizerManager
       Scheduler --(FlushCacheResp, StatsResp)--> TokenizerManager (straight, no detokenizer).
+With --dp-size N there are N schedulers; a GenerateReq goes to one, the other requests to
+all, and each control reply says which replica sent it (`dp_rank`).
 
 Finish reasons are plain dicts, as in the HTTP API:
   {"type": "stop", "matched": <token id or stop string>}   (matched None: EOS without id)
@@ -64,6 +66,7 @@ class FlushCacheReq:
 class FlushCacheResp:
     success: bool
     message: str = ""
+    dp_rank: int = 0  # the replying data-parallel replica (--dp-size)
 
 
 @dataclass
@@ -76,6 +79,7 @@ class StatsResp:
     """Scheduler state for /get_server_info and /metrics."""
 
     stats: dict[str, Any]
+    dp_rank: int = 0  # the replying data-parallel replica (--dp-size)
 
 
 @dataclass

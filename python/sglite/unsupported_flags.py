@@ -3,9 +3,9 @@
 A command copied from SGLang's documentation should fail with a sentence that names the flag
 and says it is not supported, not with argparse's "unrecognized arguments". Families of
 flags (`--speculative-*`, `--disaggregation-*`, ...) are matched by prefix. Given with the
-value that means what sglite does anyway (`--dp-size 1`, `--kv-cache-dtype auto`), such a
+value that means what sglite does anyway (`--pp-size 1`, `--kv-cache-dtype auto`), such a
 flag is accepted and dropped (`drop_no_ops`). A flag that sglite's own parser has is never
-refused here, so implementing one (say `--dp-size`) only means adding its ServerArgs field.
+refused here, so implementing one (as `--dp-size` was) only means adding its ServerArgs field.
 """
 
 from __future__ import annotations
@@ -18,9 +18,6 @@ UNSUPPORTED: dict[str, str] = {
     "--quantization-param-path": "weight quantization",
     "--kv-cache-dtype": "a KV cache dtype other than the model's",
     "--load-format": "weight formats other than safetensors and GGUF",
-    "--dp-size": "data parallelism",
-    "--dp": "data parallelism",
-    "--data-parallel-size": "data parallelism",
     "--enable-dp-attention": "data-parallel attention",
     "--pp-size": "pipeline parallelism",
     "--pipeline-parallel-size": "pipeline parallelism",
@@ -50,9 +47,6 @@ NO_OP_VALUES: dict[str, frozenset[str]] = {
     **{
         flag: frozenset({"1"})
         for flag in (
-            "--dp-size",
-            "--dp",
-            "--data-parallel-size",
             "--pp-size",
             "--pipeline-parallel-size",
             "--ep-size",

@@ -30,6 +30,7 @@ def scheduler_for_runner(
     decode_tail=None,
     watchdog: NullWatchdog | None = None,
     tokenizer=None,
+    dp_rank: int = 0,
 ):
     """A Scheduler driving `runner` (its pools, allocator and model) with `args`; no watchdog
     unless one is given (tests and benchmarks drive it in-process). Structured output needs
@@ -59,11 +60,12 @@ def scheduler_for_runner(
         grammar_backend=create_backend(
             args.grammar_backend, tokenizer, cfg.vocab_size, cfg.eos_token_ids
         ),
+        dp_rank=dp_rank,
     )
 
 
 def build_scheduler(
-    args: ServerArgs, send, send_control, watchdog: NullWatchdog | None = None
+    args: ServerArgs, send, send_control, watchdog: NullWatchdog | None = None, dp_rank: int = 0
 ) -> tuple[Any, dict[str, Any]]:
     """Load the model and build a Scheduler over it; returns (scheduler, ready info)."""
     import sglite.core
@@ -94,6 +96,7 @@ def build_scheduler(
         decode_tail=lambda ids: tokenizer.decode(ids, skip_special_tokens=False),
         watchdog=watchdog,
         tokenizer=tokenizer,
+        dp_rank=dp_rank,
     )
     cfg = runner.model_config
     info = {
@@ -114,14 +117,16 @@ def build_scheduler(
 
 
 def run_scheduler_process(
-    args: ServerArgs, ipc, ready_conn, heartbeat: Heartbeat | None = None
+    args: ServerArgs, ipc, ready_conn, heartbeat: Heartbeat | None = None, dp_rank: int = 0
 ) -> None:
+    """`dp_rank`: which data-parallel replica this is (--dp-size); its control replies say so."""
     import zmq
 
     from sglite.ipc import Receiver, Sender
 
+    name = "scheduler" if args.dp_size == 1 else f"scheduler dp{dp_rank}"
     logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s [scheduler] %(levelname)s %(message)s"
+        level=args.log_level.upper(), format=f"%(asctime)s [{name}] %(levelname)s %(message)s"
     )
     parent = os.getppid()
     ctx = zmq.Context()
@@ -129,8 +134,13 @@ def run_scheduler_process(
     to_tok = Sender(ctx, ipc.tokenizer)
     inbox = Receiver(ctx, ipc.scheduler_input)
     watchdog = Watchdog(args.watchdog_timeout, heartbeat=heartbeat)
+
+    def send_control(msg) -> None:
+        msg.dp_rank = dp_rank
+        to_tok.send(msg)
+
     try:
-        sched, info = build_scheduler(args, to_detok.send, to_tok.send, watchdog)
+        sched, info = build_scheduler(args, to_detok.send, send_control, watchdog, dp_rank)
     except Exception as e:  # reported to the launcher, which prints it and exits
         ready_conn.send(ReadyMsg("scheduler", False, f"{e}\n{traceback.format_exc()}"))
         return

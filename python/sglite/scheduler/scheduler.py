@@ -72,11 +72,12 @@ class Scheduler:
         send_control: Callable[[object], None] | None = None,
         watchdog: NullWatchdog | None = None,
         grammar_backend: GrammarBackend | None = None,
+        dp_rank: int = 0,
     ):
         self.args = args
         self.core = core
         tree = core.RadixTree(args.page_size, args.radix_eviction_policy)
-        recorder, self.kv_publisher = kv_events.create(args.kv_events, args.page_size)
+        recorder, self.kv_publisher = kv_events.create(args.kv_events, args.page_size, dp_rank)
         self.cache = CacheManager(
             tree,
             allocator,

@@ -6,9 +6,10 @@ All errors leave as JSON `{"error": {"message", "type", "param", "code"}}`: bad 
 401, an overloaded, stuck or dying server a 503 (with Retry-After when the waiting queue is
 full). POST bodies are parsed as JSON whatever their Content-Type (curl -d sends form
 encoding). /get_server_info has SGLang's flat shape: the server args, the model facts and
-the scheduler's stats at the top level, the stats again in `internal_states`. Both info
-routes also answer under SGLang's newer names (/server_info, /model_info), which SGLang's
-router asks first.
+the scheduler's stats at the top level (summed over --dp-size replicas), and each replica's
+own stats in `internal_states` (one entry per replica, with its `dp_rank` when there are
+several). Both info routes also answer under SGLang's newer names (/server_info,
+/model_info), which SGLang's router asks first.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from sglite.server import openai_api
 from sglite.server.auth import ApiKeyMiddleware
+from sglite.server.dp_dispatcher import merge_stats
 from sglite.server.inputs import Prompt, RequestError
 from sglite.server.metrics import CONTENT_TYPE
 from sglite.server.protocol import (
@@ -207,7 +209,8 @@ def create_app(tm: TokenizerManager) -> FastAPI:
     @app.get("/server_info")
     @app.get("/get_server_info")
     async def get_server_info() -> dict[str, Any]:
-        stats = await tm.get_stats()
+        replicas = await tm.get_replica_stats()
+        stats = merge_stats(replicas)
         info = tm.model_info
         return {
             **tm.server_args.to_dict(),
@@ -216,7 +219,7 @@ def create_app(tm: TokenizerManager) -> FastAPI:
             "served_model_name": tm.served_model_name,
             **stats,
             "tree_core": stats.get("tree_core") or info.get("tree_core"),
-            "internal_states": [stats],
+            "internal_states": replicas,
             "version": __version__,
         }
 

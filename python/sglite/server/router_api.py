@@ -3,7 +3,7 @@ on each worker, in SGLang's shape.
 
 GET /get_load -> [{"dp_rank": 0, "num_reqs": int, "num_waiting_reqs": int, "num_tokens": int}]
 
-One entry per data-parallel rank (this server has one scheduler, so one entry): `num_reqs`
+One entry per data-parallel rank (`--dp-size` replicas; the router sums them): `num_reqs`
 counts running and waiting requests, `num_tokens` the KV tokens held by running requests
 (the router's `power_of_two` policy compares workers by it; `/get_loads` on the router
 lists it). The other routes the router calls (`/health`, `/server_info`, `/model_info`,
@@ -33,6 +33,7 @@ def add_router_routes(app: FastAPI, tm: Any) -> None:
     """Register the routes on `app`, answering from `tm`'s scheduler stats."""
 
     async def get_load() -> list[dict[str, int]]:
-        return [load_entry(await tm.get_stats())]
+        replicas = await tm.get_replica_stats()
+        return [load_entry(stats, stats.get("dp_rank", i)) for i, stats in enumerate(replicas)]
 
     app.add_api_route("/get_load", get_load, methods=["GET"])

@@ -9,7 +9,9 @@ on the event shared by the requests they submitted together. A caller that goes 
 (client disconnect, cancelled task) aborts its unfinished requests, each by its exact id: a
 prefix abort (SGLang's /abort_request) would also hit every request whose id extends it.
 The detokenizer, which has no socket to the scheduler, asks for aborts through us: an
-AbortReq that arrives on the receive socket is forwarded to the scheduler.
+AbortReq that arrives on the receive socket is forwarded to the scheduler. With --dp-size N
+the scheduler is N replicas behind `self.dispatcher` (server/dp_dispatcher.py): a request
+goes to one, aborts and control requests to all, and their stats come back merged.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import zmq
 import zmq.asyncio
 
 from sglite.constrained import edge_check
-from sglite.ipc import AsyncReceiver, IpcNames, Sender
+from sglite.ipc import AsyncReceiver, IpcNames
 from sglite.messages import (
     AbortReq,
     BatchTextOutput,
@@ -38,6 +40,7 @@ from sglite.messages import (
 )
 from sglite.sampling_params import model_sampling_defaults
 from sglite.scheduler.watchdog import Heartbeat, stall_threshold
+from sglite.server.dp_dispatcher import Dispatcher, merge_flush, merge_stats
 from sglite.server.inputs import InputProcessor, Prompt, RequestError
 from sglite.server.logprob_format import LogprobLists, TokenTexts
 from sglite.server.metrics import create_metrics
@@ -103,9 +106,13 @@ class TokenizerManager:
         )
         self.dead_reason: str | None = None  # set when a child process died
         self.heartbeat = heartbeat or Heartbeat()  # when the scheduler's current step began
-        self._waiters: dict[type, deque[asyncio.Future]] = {
-            FlushCacheResp: deque(),
-            StatsResp: deque(),
+        self.dispatcher = Dispatcher.for_server(ipc, server_args, self.max_total_tokens)
+        self.dp_size = self.dispatcher.num_replicas
+        # one queue per (reply type, replica): each replica answers in the order it was asked
+        self._waiters: dict[tuple[type, int], deque[asyncio.Future]] = {
+            (kind, rank): deque()
+            for kind in (FlushCacheResp, StatsResp)
+            for rank in range(self.dp_size)
         }
         self.token_texts = TokenTexts(tokenizer)  # log-prob entries' token texts
         self._recv_task: asyncio.Task | None = None
@@ -125,7 +132,7 @@ class TokenizerManager:
         self.loop = asyncio.get_running_loop()
         self._ctx = zmq.Context()
         self._actx = zmq.asyncio.Context.shadow(self._ctx)
-        self._sender = Sender(self._ctx, self.ipc.scheduler_input, bind=True)
+        self.dispatcher.bind(self._ctx)
         self._receiver = AsyncReceiver(self._actx, self.ipc.tokenizer, bind=True)
         self._recv_task = asyncio.create_task(self._recv_loop(), name="sglite-recv")
 
@@ -135,7 +142,7 @@ class TokenizerManager:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._recv_task
             self._recv_task = None
-            self._sender.close()
+            self.dispatcher.close()
             self._receiver.close()
             self._ctx.term()
 
@@ -164,6 +171,7 @@ class TokenizerManager:
     def _finish_here(self, rid: str, reason: dict[str, Any]) -> None:
         """Finish a request without waiting for the scheduler (whose late output is ignored)."""
         state = self.states.pop(rid)
+        self.dispatcher.done(rid)
         state.finished_reason = reason
         state.version += 1
         state.notify.set()
@@ -179,8 +187,8 @@ class TokenizerManager:
                 elif isinstance(msg, AbortReq):  # from the detokenizer, for the scheduler
                     with contextlib.suppress(zmq.Again):
                         self._send(msg)
-                elif type(msg) in self._waiters:
-                    queue = self._waiters[type(msg)]
+                elif (type(msg), getattr(msg, "dp_rank", 0)) in self._waiters:
+                    queue = self._waiters[(type(msg), msg.dp_rank)]
                     if queue:
                         fut = queue.popleft()
                         if not fut.done():
@@ -220,21 +228,28 @@ class TokenizerManager:
                 self.metrics.on_finish(state.prompt_len, now - state.created)
                 self.request_log.on_finish(state, now)
                 del self.states[rid]
+                self.dispatcher.done(rid)
             state.notify.set()
 
     # ------------------------------------------------------------------ generation
     def _send(self, msg: Any) -> None:
-        self._sender.send(msg)
+        """Best effort, no waiting: a replica that cannot be reached is skipped."""
+        self.dispatcher.send(msg)
+
+    def _send_to(self, rank: int, msg: Any) -> None:
+        self.dispatcher.send_to(rank, msg)
 
     async def _send_retrying(self, msg: Any) -> None:
-        deadline = time.monotonic() + SEND_RETRY_S
-        while True:
-            try:
-                return self._send(msg)
-            except zmq.Again:
-                if time.monotonic() > deadline:
-                    raise RequestError("the scheduler is not reachable", 503) from None
-                await asyncio.sleep(0.01)
+        for rank in self.dispatcher.targets(msg):
+            deadline = time.monotonic() + SEND_RETRY_S
+            while True:
+                try:
+                    self._send_to(rank, msg)
+                    break
+                except zmq.Again:
+                    if time.monotonic() > deadline:
+                        raise RequestError("the scheduler is not reachable", 503) from None
+                    await asyncio.sleep(0.01)
 
     @property
     def num_waiting(self) -> int:
@@ -371,22 +386,31 @@ class TokenizerManager:
             self._send(AbortReq(rid=rid, message=message, exact=True))
 
     # ------------------------------------------------------------------ control
-    async def _control(self, req: Any, reply_type: type) -> Any:
-        fut = asyncio.get_running_loop().create_future()
-        self._waiters[reply_type].append(fut)
+    async def _control(self, req: Any, reply_type: type) -> list[Any]:
+        """Ask every replica; their replies in replica order."""
+        loop = asyncio.get_running_loop()
+        futs = [loop.create_future() for _ in range(self.dp_size)]
+        for rank, fut in enumerate(futs):
+            self._waiters[(reply_type, rank)].append(fut)
         try:
             await self._send_retrying(req)
-            return await asyncio.wait_for(fut, CONTROL_TIMEOUT_S)
+            return await asyncio.wait_for(asyncio.gather(*futs), CONTROL_TIMEOUT_S)
         except TimeoutError:
             raise RequestError("the scheduler did not answer in time", 503) from None
 
+    async def get_replica_stats(self) -> list[dict[str, Any]]:
+        """Each replica's scheduler stats (with its dp_rank and the dispatcher's counts);
+        also refreshes the metrics' gauges with their sum."""
+        per_replica = self.dispatcher.replica_stats(await self._control(GetStatsReq(), StatsResp))
+        self.metrics.update_from_stats(merge_stats(per_replica))
+        return per_replica
+
     async def get_stats(self) -> dict[str, Any]:
-        resp = await self._control(GetStatsReq(), StatsResp)
-        self.metrics.update_from_stats(resp.stats)
-        return resp.stats
+        """The scheduler stats of the whole server (summed over the replicas)."""
+        return merge_stats(await self.get_replica_stats())
 
     async def flush_cache(self) -> FlushCacheResp:
-        return await self._control(FlushCacheReq(), FlushCacheResp)
+        return merge_flush(await self._control(FlushCacheReq(), FlushCacheResp))
 
 
 def raise_if_failed(output: dict[str, Any]) -> None:
