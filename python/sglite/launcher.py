@@ -1,239 +1,38 @@
-"""Process lifecycle: starts the scheduler and detokenizer, waits until they are ready,
-watches them, and tears everything down (children, IPC files) however the server ends.
+"""Server start and end: resolves the model, starts the child processes and the HTTP
+server, and tears everything down (children, IPC files) however the server ends.
 
-`start_backend()` is shared by the HTTP server (`launch_server`) and the offline Engine.
-With `--dp-size N` there are N scheduler processes (dp_replicas.py names them); start-up
-fails if any one fails, and any one dying takes the server down, named in the log line.
-Children are spawned (never forked), ignore Ctrl-C (the parent shuts them down) and die
-with their parent. A child that exits while serving takes the server down with a log line
-naming it, instead of leaving a port that accepts requests nobody answers. A scheduler
-stopped by its watchdog (scheduler/watchdog.py) exits with WATCHDOG_EXIT_CODE, and the line
-says so.
+`start_backend()` is shared by the HTTP server (`launch_server`) and the offline Engine; the
+children themselves (spawning, readiness, death watch, stop) are process_group.py's. With
+`--dp-size N` there are N scheduler processes; start-up fails if any one fails, and a child
+that exits while serving takes the server down with a log line naming it, instead of
+leaving a port that accepts requests nobody answers.
 """
 
 from __future__ import annotations
 
-import importlib
 import logging
-import multiprocessing as mp
-import os
 import signal
 import socket
-import sys
 import threading
-import time
-from collections.abc import Callable
-from contextlib import contextmanager
 from dataclasses import dataclass
-from multiprocessing.connection import wait as wait_any
 from typing import Any
 
-from sglite import env
 from sglite.config import ServerArgs
-from sglite.dp_replicas import (
-    HeartbeatGroup,
-    describe_process,
-    replica_ipc,
-    replica_name,
-    replica_rank,
-)
 from sglite.ipc import IpcNames
-from sglite.scheduler.watchdog import WATCHDOG_EXIT_CODE, Heartbeat
+from sglite.process_group import (
+    DETOKENIZER_ENTRY,
+    SCHEDULER_ENTRY,
+    Entry,
+    ProcessGroup,
+    StartupError,
+    death_reason,
+    setup_logging,
+)
 from sglite.server.tokenizer import apply_chat_template_override
 
 logger = logging.getLogger(__name__)
 
-SCHEDULER_ENTRY = "sglite.scheduler.process:run_scheduler_process"
-DETOKENIZER_ENTRY = "sglite.detokenizer:run_detokenizer_process"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-PROGRESS_EVERY_S = 15.0
-STOP_TIMEOUT_S = 5.0
-LOG_FORMAT = "%(asctime)s %(levelname)s [%(processName)s] %(name)s: %(message)s"
-
-Entry = str | Callable[..., Any]
-
-
-class StartupError(RuntimeError):
-    """The server could not start; the message says why (with the child's traceback)."""
-
-
-def setup_logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(), format=LOG_FORMAT, datefmt="%H:%M:%S")
-
-
-def _resolve(entry: Entry) -> Callable[..., Any]:
-    if callable(entry):
-        return entry
-    module, _, name = entry.partition(":")
-    return getattr(importlib.import_module(module), name)
-
-
-def _exit_with_parent(parent_pid: int, ipc: IpcNames) -> None:
-    """Exit as soon as the parent is gone (even SIGKILLed): no orphans, no stale files."""
-
-    def watch() -> None:
-        while os.getppid() == parent_pid:
-            time.sleep(1.0)
-        ipc.cleanup()  # nobody else will remove the IPC files now
-        os._exit(1)
-
-    threading.Thread(target=watch, name="sglite-parent-watch", daemon=True).start()
-
-
-def _child_main(
-    entry: Entry,
-    server_args: ServerArgs,
-    ipc: IpcNames,
-    ready_conn: Any,
-    parent_pid: int,
-    extra: dict[str, Any],
-) -> None:
-    """Entry point of every child process (runs in the child)."""
-    # Ctrl-C reaches the whole process group; the parent decides, and stops us with SIGTERM,
-    # whose default action ends the process even while a thread is blocked in a socket.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    _exit_with_parent(parent_pid, ipc)
-    setup_logging(server_args.log_level)
-    _resolve(entry)(server_args, ipc, ready_conn, **extra)
-
-
-def death_reason(name: str, code: int | None, server_args: ServerArgs) -> str:
-    """The sentence that says why a child process ended while serving."""
-    who = describe_process(name)
-    if replica_rank(name) is not None and code == WATCHDOG_EXIT_CODE:
-        return (
-            f"{who} was stopped by its watchdog: one step ran longer than "
-            f"--watchdog-timeout ({server_args.watchdog_timeout:g} s); the server log shows "
-            "what it was doing and the stacks of its threads"
-        )
-    return f"{who} died (exit code {code})"
-
-
-class ProcessGroup:
-    """The scheduler (one per --dp-size replica) and detokenizer processes of one server.
-
-    Every entry is called as `entry(server_args, ipc, ready_conn)` in its child; a
-    scheduler entry also gets `heartbeat=` its replica's heartbeat (shared memory: when its
-    current step started), which the main process reads for /health, and with --dp-size > 1
-    `dp_rank=` its replica index and an `ipc` whose scheduler_input is its own.
-    """
-
-    def __init__(
-        self,
-        server_args: ServerArgs,
-        ipc: IpcNames,
-        *,
-        scheduler_entry: Entry = SCHEDULER_ENTRY,
-        detokenizer_entry: Entry = DETOKENIZER_ENTRY,
-    ):
-        self.server_args = server_args
-        self.ipc = ipc
-        dp = server_args.dp_size
-        self.entries: dict[str, Entry] = {
-            replica_name(rank, dp): scheduler_entry for rank in range(dp)
-        }
-        self.entries["detokenizer"] = detokenizer_entry
-        self.procs: dict[str, Any] = {}
-        self._conns: dict[str, Any] = {}
-        self._stopping = threading.Event()
-        self.heartbeats = [Heartbeat.shared() for _ in range(dp)]
-        self.heartbeat: Any = self.heartbeats[0] if dp == 1 else HeartbeatGroup(self.heartbeats)
-        self.infos: dict[str, dict[str, Any]] = {}  # each child's ready info
-
-    def _child_args(self, name: str) -> tuple[IpcNames, dict[str, Any]]:
-        rank, dp = replica_rank(name), self.server_args.dp_size
-        if rank is None:
-            return self.ipc, {}
-        extra: dict[str, Any] = {"heartbeat": self.heartbeats[rank]}
-        if dp > 1:
-            extra["dp_rank"] = rank
-        return replica_ipc(self.ipc, rank, dp), extra
-
-    def start(self) -> dict[str, Any]:
-        """Spawn the children; block until all report ready. Returns the (first) scheduler's
-        info."""
-        ctx = mp.get_context("spawn")
-        env.apply_openmp_defaults()
-        for name, entry in self.entries.items():
-            parent_conn, child_conn = ctx.Pipe(duplex=False)
-            ipc, extra = self._child_args(name)
-            proc = ctx.Process(
-                target=_child_main,
-                name=f"sglite-{name}",
-                daemon=True,
-                args=(entry, self.server_args, ipc, child_conn, os.getpid(), extra),
-            )
-            with _main_module_hidden():
-                proc.start()
-            child_conn.close()
-            self.procs[name], self._conns[name] = proc, parent_conn
-        return self._wait_ready()
-
-    def _wait_ready(self) -> dict[str, Any]:
-        pending = dict(self._conns)
-        infos = self.infos
-        t0 = next_note = time.monotonic()
-        next_note += PROGRESS_EVERY_S
-        while pending:
-            handles = list(pending.values()) + [self.procs[n].sentinel for n in pending]
-            wait_any(handles, timeout=1.0)
-            for name, conn in list(pending.items()):
-                proc = self.procs[name]
-                if conn.poll():
-                    try:
-                        msg = conn.recv()
-                    except EOFError:
-                        msg = None
-                    if msg is None or not msg.ok:
-                        error = msg.error if msg is not None else "(no message)"
-                        raise StartupError(f"{describe_process(name)} failed to start:\n{error}")
-                    infos[name] = msg.info
-                    del pending[name]
-                    logger.info("%s ready (%.1f s)", name, time.monotonic() - t0)
-                elif not proc.is_alive():
-                    raise StartupError(
-                        f"{describe_process(name)} exited with code {proc.exitcode} "
-                        "before it was ready (see its log above)"
-                    )
-            if pending and time.monotonic() >= next_note:
-                next_note += PROGRESS_EVERY_S
-                logger.info(
-                    "still starting: waiting for %s (%.0f s so far)",
-                    " and ".join(pending),
-                    time.monotonic() - t0,
-                )
-        return infos[replica_name(0, self.server_args.dp_size)]
-
-    def watch(self, on_death: Callable[[str, int | None], None]) -> None:
-        """Call `on_death(name, exitcode)` (from a thread) if a child exits unasked."""
-
-        def run() -> None:
-            by_sentinel = {p.sentinel: name for name, p in self.procs.items()}
-            ready = wait_any(list(by_sentinel))
-            if self._stopping.is_set():
-                return
-            name = by_sentinel[ready[0]]
-            self.procs[name].join(0.1)
-            on_death(name, self.procs[name].exitcode)
-
-        threading.Thread(target=run, name="sglite-child-watch", daemon=True).start()
-
-    def shutdown(self) -> None:
-        """Stop the children (SIGTERM, then SIGKILL after a grace period). Idempotent."""
-        self._stopping.set()
-        for proc in self.procs.values():
-            if proc.is_alive():
-                proc.terminate()
-        deadline = time.monotonic() + STOP_TIMEOUT_S
-        for name, proc in self.procs.items():
-            proc.join(max(deadline - time.monotonic(), 0.1))
-            if proc.is_alive():
-                logger.warning("the %s process did not stop; killing it", name)
-                proc.kill()
-                proc.join(1.0)
-        for conn in self._conns.values():
-            conn.close()
 
 
 def resolve_model(server_args: ServerArgs) -> ServerArgs:
@@ -427,25 +226,3 @@ def launch_server(
         backend.shutdown()
         logger.info("shut down")
     return exit_code
-
-
-@contextmanager
-def _main_module_hidden():
-    """Spawn children without re-running the user's script in them.
-
-    multiprocessing's spawn re-imports `__main__` in every child, so a script that builds an
-    Engine at top level (no `if __name__ == "__main__":` guard, or code piped to stdin)
-    would start engines recursively or fail. Our children only need sglite's own modules.
-    """
-    main = sys.modules.get("__main__")
-    saved = {k: main.__dict__[k] for k in ("__file__", "__spec__") if main and k in main.__dict__}
-    if main is not None:
-        main.__dict__.pop("__file__", None)
-        main.__spec__ = None
-    try:
-        yield
-    finally:
-        if main is not None:
-            main.__dict__.update(saved)
-            if "__spec__" not in saved:
-                main.__dict__.pop("__spec__", None)
