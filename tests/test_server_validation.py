@@ -318,7 +318,7 @@ def test_queue_limit_counts_waiting_requests_only():
     (they have output) do not count, and a batch is not refused for its own size."""
     from types import SimpleNamespace
 
-    from sglite.server.tokenizer_manager import QueueFullError
+    from sglite.server.inputs import QueueFullError
 
     tm = _manager(max_queued_requests=2)
     tm._send = tm._send_to = lambda *a: None  # no scheduler: sending always succeeds

@@ -30,7 +30,7 @@ from sglite.launcher import (
     setup_logging,
     start_backend,
 )
-from sglite.server.tokenizer_manager import raise_if_failed
+from sglite.server.req_state import raise_if_failed
 
 logger = logging.getLogger(__name__)
 

@@ -29,6 +29,15 @@ class RequestError(ValueError):
         self.param = param
 
 
+RETRY_AFTER_S = 1  # what a client refused by --max-queued-requests is told to wait
+
+
+class QueueFullError(RequestError):
+    """The waiting queue is at --max-queued-requests: HTTP 503 with a Retry-After header."""
+
+    retry_after_s = RETRY_AFTER_S
+
+
 @dataclass
 class Prompt:
     """One validated sequence to generate, ready to send."""

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sglite.sampling_params import SamplingParams
+from sglite.server.inputs import RequestError
 from sglite.server.logprob_format import LogprobLists
 
 
@@ -48,3 +49,10 @@ class ReqState:
         if self.logprobs is not None:
             meta.update(self.logprobs.meta())
         return {"text": self.text, "output_ids": list(self.output_ids), "meta_info": meta}
+
+
+def raise_if_failed(output: dict[str, Any]) -> None:
+    """An abort that carries an HTTP status (refused or failed request) -> RequestError."""
+    reason = output["meta_info"]["finish_reason"] or {}
+    if reason.get("type") == "abort" and reason.get("status_code"):
+        raise RequestError(str(reason.get("message", "aborted")), int(reason["status_code"]))

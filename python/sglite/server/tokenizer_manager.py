@@ -41,23 +41,16 @@ from sglite.messages import (
 from sglite.sampling_params import model_sampling_defaults
 from sglite.scheduler.watchdog import Heartbeat, stall_threshold
 from sglite.server.dp_dispatcher import Dispatcher, merge_flush, merge_stats
-from sglite.server.inputs import InputProcessor, Prompt, RequestError
+from sglite.server.inputs import InputProcessor, Prompt, QueueFullError, RequestError
 from sglite.server.logprob_format import LogprobLists, TokenTexts
 from sglite.server.metrics import create_metrics
-from sglite.server.req_state import ReqState
+from sglite.server.req_state import ReqState, raise_if_failed
 from sglite.server.request_log import create_request_log
 
 logger = logging.getLogger(__name__)
 
 CONTROL_TIMEOUT_S = 10.0
 SEND_RETRY_S = 2.0  # the scheduler's connection may still be settling right after start-up
-RETRY_AFTER_S = 1  # what a client refused by --max-queued-requests is told to wait
-
-
-class QueueFullError(RequestError):
-    """The waiting queue is at --max-queued-requests: HTTP 503 with a Retry-After header."""
-
-    retry_after_s = RETRY_AFTER_S
 
 
 class TokenizerManager:
@@ -266,7 +259,7 @@ class TokenizerManager:
         if limit is not None and self.num_waiting >= limit:
             raise QueueFullError(
                 f"the server is overloaded: {self.num_waiting} requests are waiting "
-                f"(--max-queued-requests {limit}); retry in {RETRY_AFTER_S} s",
+                f"(--max-queued-requests {limit}); retry in {QueueFullError.retry_after_s} s",
                 503,
             )
         notify = asyncio.Event()
@@ -411,10 +404,3 @@ class TokenizerManager:
 
     async def flush_cache(self) -> FlushCacheResp:
         return merge_flush(await self._control(FlushCacheReq(), FlushCacheResp))
-
-
-def raise_if_failed(output: dict[str, Any]) -> None:
-    """An abort that carries an HTTP status (refused or failed request) -> RequestError."""
-    reason = output["meta_info"]["finish_reason"] or {}
-    if reason.get("type") == "abort" and reason.get("status_code"):
-        raise RequestError(str(reason.get("message", "aborted")), int(reason["status_code"]))
