@@ -15,6 +15,7 @@ from dataclasses import replace
 
 import jsonschema
 import pytest
+import torch
 
 from sglite.config import ServerArgs
 from sglite.messages import GenerateReq
@@ -121,11 +122,13 @@ def workload(tokenizer, with_free: bool = True, with_constrained: bool = True):
     return out
 
 
-def run(model_dir, tokenizer, reqs, *, overlap: bool, total_tokens: int = 8192, **args):
+def run(
+    model_dir, tokenizer, reqs, *, overlap: bool, total_tokens: int = 8192, device="cpu", **args
+):
     from sglite.model_executor.model_runner import ModelRunner
 
     runner = ModelRunner(
-        model_dir, device="cpu", max_total_tokens=total_tokens, max_running_requests=48
+        model_dir, device=device, max_total_tokens=total_tokens, max_running_requests=48
     )
     server_args = ServerArgs(
         max_total_tokens=total_tokens,
@@ -192,6 +195,19 @@ def test_outputs_follow_their_grammar(runs, loop):
         assert r["req"].grammar.num_accepted == len(r["ids"])
         checked += 1
     assert checked == len(PROMPTS) * (len(SCHEMAS) + len(REGEXES) + 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_outputs_follow_their_grammar_on_cuda(setup):
+    """The mask on the device, the overlap loop's device future buffer, CUDA graphs."""
+    model_dir, tok = setup
+    reqs = workload(tok)
+    got, _ = run(model_dir, tok, reqs, overlap=True, device="cuda")
+    for rid, _, _, check in reqs:
+        if check is not None:
+            assert got[rid]["finish"] == {"type": "stop", "matched": EOS}, (rid, got[rid])
+            check(got[rid]["text"])
 
 
 def test_both_loops_give_the_same_tokens(runs):

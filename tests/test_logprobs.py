@@ -93,12 +93,13 @@ def _requests(vocab: int, seed: int = 0):
     return reqs
 
 
-def _run(core, model_dir, reqs, *, overlap, page_size, total_tokens, warm):
+def _run(core, model_dir, reqs, *, overlap, page_size, total_tokens, warm, device="cpu"):
     from sglite.model_executor.model_runner import ModelRunner
 
     runner = ModelRunner(
         model_dir,
-        device="cpu",
+        device=device,
+        dtype="float32",
         page_size=page_size,
         max_total_tokens=total_tokens,
         max_running_requests=16,
@@ -225,3 +226,17 @@ def test_token_texts_of_partial_characters_are_distinct_bytes(smollm2_dir):
         partial.append(shown)
     assert len(partial) > 50 and len(set(partial)) == len(partial)  # all distinct
     assert text_bytes("é") == [0xC3, 0xA9]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
+def test_logprobs_on_cuda(core, llama, overlap):
+    """The device future buffer of the overlap loop, CUDA graphs for decode."""
+    model_dir, hf, vocab = llama
+    reqs = _requests(vocab, seed=2)
+    got, _ = _run(
+        core, model_dir, reqs, overlap=overlap, page_size=16, total_tokens=256, warm=True,
+        device="cuda",
+    )  # fmt: skip
+    _check_against_hf(hf, reqs, got)
