@@ -15,6 +15,8 @@ import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
+from sglite.detokenizer import stop_prefix_len
+
 
 @dataclass(frozen=True)
 class Reasoning:
@@ -83,14 +85,9 @@ class BufferedParser(StreamParser):
 
 def partial_tag_len(text: str, tags: tuple[str, ...]) -> int:
     """Length of the longest end of `text` that is a proper beginning of one of `tags`:
-    the characters that must be held back because the next delta may complete a tag."""
-    best = 0
-    for tag in tags:
-        for k in range(min(len(tag) - 1, len(text)), best, -1):
-            if text.endswith(tag[:k]):
-                best = k
-                break
-    return best
+    the characters that must be held back because the next delta may complete a tag (the
+    detokenizer's hold-back of stop strings, the same question)."""
+    return stop_prefix_len(text, tags)
 
 
 def merge_events(events: list[Event]) -> list[Event]:

@@ -129,18 +129,10 @@ class RequiredCallsParser(BufferedParser):
             self._buf = ""
             return False
         if state == "call":
-            n, events = self.calls.feed(self._buf)
-            out += events
-            self._buf = self._buf[n:]
-            scanner = self.calls.scanner
-            if scanner.status == RUNNING:
+            self._buf, status = self.calls.read(self._buf, out)
+            if status == RUNNING:
                 return False
-            if scanner.status == FAILED:
-                if not scanner.announced:
-                    out.append(Content(scanner.raw))
-                self._state = "text"
-            else:
-                self._state = "after"
+            self._state = "text" if status == FAILED else "after"
             return True
         self._buf = self._buf.lstrip()
         if not self._buf:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 
-from sglite.parsers.base import CallArgs, CallStart, Event
+from sglite.parsers.base import CallArgs, CallStart, Content, Event
 
 RUNNING, DONE, FAILED = "running", "done", "failed"
 ARGUMENT_KEYS = ("arguments", "parameters")
@@ -253,6 +253,18 @@ class CallReader:
     def feed(self, text: str) -> tuple[int, list[Event]]:
         n = self.scanner.feed(text)
         return n, self.events()
+
+    def read(self, buf: str, out: list[Event], shown_if_failed: str = "") -> tuple[str, str]:
+        """Feed `buf` to the current call, appending its events to `out`. Returns (the rest of
+        `buf`, the call's status: RUNNING while it is still being written). A call that failed
+        before its name was announced is given back as content: `shown_if_failed` (what the
+        parser consumed before the call object) and the call's raw text."""
+        n, events = self.feed(buf)
+        out += events
+        scanner = self.scanner
+        if scanner.status == FAILED and not scanner.announced:
+            out.append(Content(shown_if_failed + scanner.raw))
+        return buf[n:], scanner.status
 
     def finish(self) -> list[Event]:
         self.scanner.finish()

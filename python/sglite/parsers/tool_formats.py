@@ -85,17 +85,11 @@ class HermesToolParser(BufferedParser):
         return True
 
     def _call(self, out: list[Event]) -> bool:
-        n, events = self.calls.feed(self._buf)
-        out += events
-        self._buf = self._buf[n:]
-        scanner = self.calls.scanner
-        if scanner.status == RUNNING:
+        self._buf, status = self.calls.read(self._buf, out, self._space + self.START)
+        if status == RUNNING:
             return False
-        if scanner.status == FAILED and not scanner.announced:
-            out.append(Content(self._space + self.START + scanner.raw))
-            self._state = "text"
-        else:
-            self._state = "after"
+        failed = status == FAILED and not self.calls.scanner.announced
+        self._state = "text" if failed else "after"
         return True
 
     def _after(self, out: list[Event]) -> bool:
@@ -193,17 +187,10 @@ class Llama3ToolParser(BufferedParser):
         return True
 
     def _call(self, out: list[Event]) -> bool:
-        n, events = self.calls.feed(self._buf)
-        out += events
-        self._buf = self._buf[n:]
-        scanner = self.calls.scanner
-        if scanner.status == RUNNING:
+        self._buf, status = self.calls.read(self._buf, out, self._prefix)
+        if status == RUNNING:
             return False
-        if scanner.status == FAILED and not scanner.announced:
-            out.append(Content(self._prefix + scanner.raw))
-            self._state = "text"
-        else:
-            self._state = "between" if scanner.status == DONE else "text"
+        self._state = "between" if status == DONE else "text"
         self._prefix = ""
         return True
 
