@@ -1,7 +1,8 @@
 """Tensor parallelism on CPU (gloo, spawned ranks): sharded models match tp_size 1 and HF.
 
 One spawn of two ranks runs every tp-2 model (Llama, Qwen2, Qwen3 with 4 heads over 2 KV
-heads, and a Llama with a single KV head, replicated on both ranks); three ranks run a Llama
+heads, a Llama with a single KV head, replicated on both ranks, and a Llama with biases on
+o_proj and down_proj); three ranks run a Llama
 with 9 heads over 3 KV heads; four ranks the 4-head Llama, whose 2 KV heads are each
 replicated on two ranks (ranks 2 and 3 must load the second one). Each rank's logits of an extend and the decode steps after it
 must equal the tp-1 runner's (fp32, 1e-4), the greedy tokens transformers', and every rank
@@ -25,6 +26,7 @@ TP2_MODELS = {
     "qwen2": ("qwen2", {}),
     "qwen3": ("qwen3", {}),
     "llama_kv1": ("llama", {"num_key_value_heads": 1, "tie_word_embeddings": True}),
+    "llama_bias": ("llama", {"bias": True}),  # row-parallel biases: added once, after
 }
 NINE_HEADS = dict(
     num_attention_heads=9, num_key_value_heads=3, hidden_size=72, head_dim=8, intermediate_size=192
