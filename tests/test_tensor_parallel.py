@@ -1,13 +1,13 @@
 """Tensor parallelism on CPU (gloo, spawned ranks): sharded models match tp_size 1 and HF.
 
-One spawn of two ranks runs every tp-2 model (Llama, Qwen2, Qwen3 with 4 heads over 2 KV
-heads, a Llama with a single KV head, replicated on both ranks, and a Llama with biases on
-o_proj and down_proj); three ranks run a Llama
-with 9 heads over 3 KV heads; four ranks the 4-head Llama, whose 2 KV heads are each
-replicated on two ranks (ranks 2 and 3 must load the second one); three ranks the demo model
-SmolLM2-135M (9 heads over 3 KV heads; skipped when its package is not installed). Each rank's logits of an extend and the decode steps after it
-must equal the tp-1 runner's (fp32, 1e-4), the greedy tokens transformers', and every rank
-must return rank 0's sampled tokens.
+One spawn of two ranks runs every tp-2 model: Llama, Qwen2, Qwen3 (4 heads over 2 KV heads),
+a Llama with a single KV head (replicated on both ranks) and a Llama with biases on o_proj
+and down_proj (added once, after the all-reduce). Three ranks run a Llama with 9 heads over
+3 KV heads; four ranks the 4-head Llama, whose 2 KV heads are each replicated on two ranks
+(ranks 2 and 3 must load the second one); three ranks the demo model SmolLM2-135M (9 heads
+over 3 KV heads; skipped when its package is not installed). Each rank's logits of an
+extend and the decode steps after it must equal the tp-1 runner's (fp32, 1e-4), the greedy
+tokens transformers', and every rank must return rank 0's sampled tokens.
 """
 
 from __future__ import annotations
