@@ -143,3 +143,14 @@ def test_rendezvous_gives_up_after_its_timeout():
     with pytest.raises(RuntimeError, match="rendezvous .* failed within 1.5 s"):
         init_tp_group(2, 0, f"127.0.0.1:{free_port()}", torch.device("cpu"), timeout_s=1.5)
     assert time.monotonic() - start < 30
+
+
+def test_bench_one_batch_reports_the_collective_share(tiny_model_dir):
+    from sglite.bench_one_batch import main
+
+    argv = ["--model-path", str(tiny_model_dir("llama")), "--device", "cpu", "--tp-size", "2"]
+    r = main([*argv, "--batch-size", "2", "--input-len", "8", "--output-len", "4"])
+    layers = 2
+    # per step: 2 all-reduces per layer, the embedding's, the logits' gather, the broadcast
+    assert r["collective_calls"] == 4 * (2 * layers + 3)
+    assert 0 < r["collective_share"] < 1
