@@ -1,8 +1,9 @@
 """Tensor parallelism on CPU (gloo, spawned ranks): sharded models match tp_size 1 and HF.
 
 One spawn of two ranks runs every tp-2 model: Llama, Qwen2, Qwen3 (4 heads over 2 KV heads),
-a Llama with a single KV head (replicated on both ranks) and a Llama with biases on o_proj
-and down_proj (added once, after the all-reduce). Three ranks run a Llama with 9 heads over
+a Llama with a single KV head (replicated on both ranks), a Llama with biases on o_proj
+and down_proj (added once, after the all-reduce) and one with an odd vocabulary (387: the
+last vocabulary shard is padded, the gathered logits trimmed). Three ranks run a Llama with 9 heads over
 3 KV heads; four ranks the 4-head Llama, whose 2 KV heads are each replicated on two ranks
 (ranks 2 and 3 must load the second one); three ranks the demo model SmolLM2-135M (9 heads
 over 3 KV heads; skipped when its package is not installed). Each rank's logits of an
@@ -29,9 +30,16 @@ TP2_MODELS = {
     "qwen3": ("qwen3", {}),
     "llama_kv1": ("llama", {"num_key_value_heads": 1, "tie_word_embeddings": True}),
     "llama_bias": ("llama", {"bias": True}),  # row-parallel biases: added once, after
+    "llama_odd_vocab": ("llama", {"vocab_size": 387}),  # the last vocab shard is padded
 }
 NINE_HEADS = dict(
-    num_attention_heads=9, num_key_value_heads=3, hidden_size=72, head_dim=8, intermediate_size=192
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    hidden_size=72,
+    head_dim=8,
+    intermediate_size=192,
+    vocab_size=385,  # 3 shards of 129, the last padded by 2
+    tie_word_embeddings=True,
 )
 TP3_MODELS = {"llama_9h": ("llama", NINE_HEADS)}
 TP4_MODELS = {"llama": ("llama", {})}
