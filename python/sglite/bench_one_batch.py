@@ -6,16 +6,24 @@ Prints the prefill latency and tokens/s, and the decode step latency (median) an
 (batch_size * decode steps / decode time). `run_one_batch(runner, ...)` returns the same
 numbers as a dict; it also shows the per-step protocol a scheduler follows (allocate slots,
 write the request rows, build the ForwardBatch, forward, sample).
+
+With `--tp-size N` the ranks 1..N-1 run the same batch in spawned processes (gloo on CPU,
+NCCL on CUDA, at `--dist-init-addr`, default a free local port); rank 0 prints, adding the
+share of the run's time spent inside the TP collectives (all-reduce, all-gather, the
+broadcast of the sampled tokens).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing as mp
 import os
+import socket
 import statistics
 import sys
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -30,6 +38,28 @@ from sglite.sampling_params import SamplingParams
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def _time_collectives(runner: ModelRunner) -> dict[str, float]:
+    """Wrap the runner's TP collectives with timers; the returned dict accumulates
+    `seconds` and `calls` (reset it before the run to measure)."""
+    group, stats = runner.tp_group, {"seconds": 0.0, "calls": 0}
+
+    def timed(fn: Callable) -> Callable:
+        def wrapper(*args, **kwargs):
+            _sync(runner.device)
+            t0 = time.perf_counter()
+            out = fn(*args, **kwargs)
+            _sync(runner.device)
+            stats["seconds"] += time.perf_counter() - t0
+            stats["calls"] += 1
+            return out
+
+        return wrapper
+
+    for name in ("all_reduce", "all_gather", "broadcast"):
+        setattr(group, name, timed(getattr(group, name)))  # the layers hold this object
+    return stats
 
 
 def run_one_batch(
@@ -137,10 +167,40 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print the result as JSON too")
+    parser.add_argument("--tp-size", type=int, default=1, help="tensor-parallel ranks")
+    parser.add_argument(
+        "--dist-init-addr", default=None, help="host:port of TP rank 0 (default: a free port)"
+    )
     args = parser.parse_args(argv)
     if argv is None and env.apply_openmp_defaults():
         # OpenMP read its settings when torch loaded: start again with the server's defaults
         os.execv(sys.executable, [sys.executable, "-m", "sglite.bench_one_batch", *sys.argv[1:]])
+    if args.tp_size < 1:
+        parser.error(f"--tp-size must be >= 1, got {args.tp_size}")
+    if args.tp_size == 1:
+        return _bench_rank(args, 0)
+    if args.dist_init_addr is None:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            args.dist_init_addr = f"127.0.0.1:{sock.getsockname()[1]}"
+    ctx = mp.get_context("spawn")
+    others = [
+        ctx.Process(target=_bench_rank, args=(args, rank), daemon=True)
+        for rank in range(1, args.tp_size)
+    ]
+    for proc in others:
+        proc.start()
+    try:
+        return _bench_rank(args, 0)
+    finally:
+        for proc in others:
+            proc.join(60)
+            if proc.is_alive():
+                proc.kill()
+
+
+def _bench_rank(args: argparse.Namespace, tp_rank: int) -> dict:
+    """Build this rank's runner and run the benchmark; rank 0 prints."""
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
     need = args.batch_size * (args.input_len + args.output_len + args.page_size)
@@ -152,12 +212,26 @@ def main(argv: list[str] | None = None) -> dict:
         max_total_tokens=max(need, 4096),
         max_running_requests=max(args.batch_size, 16),
         attention_backend=args.attention_backend,
+        tp_size=args.tp_size,
+        tp_rank=tp_rank,
+        dist_init_addr=args.dist_init_addr,
     )
-    for _ in range(args.warmup):
-        run_one_batch(
-            runner, args.batch_size, args.input_len, min(args.output_len, 4), seed=args.seed
-        )
-    r = run_one_batch(runner, args.batch_size, args.input_len, args.output_len, seed=args.seed)
+    comm = _time_collectives(runner) if args.tp_size > 1 else None
+    try:
+        for _ in range(args.warmup):
+            run_one_batch(
+                runner, args.batch_size, args.input_len, min(args.output_len, 4), seed=args.seed
+            )
+        if comm is not None:
+            comm.update(seconds=0.0, calls=0)
+        r = run_one_batch(runner, args.batch_size, args.input_len, args.output_len, seed=args.seed)
+    finally:
+        runner.tp_group.destroy()
+    if comm is not None:
+        r.update(tp_size=args.tp_size, collective_s=comm["seconds"], collective_calls=comm["calls"])
+        r["collective_share"] = comm["seconds"] / r["total_latency_s"]
+    if tp_rank != 0:
+        return r
     print(
         f"model={runner.model_path.name} device={runner.device} dtype={str(runner.dtype)[6:]} "
         f"bs={r['batch_size']} in={r['input_len']} out={r['output_len']}\n"
@@ -167,6 +241,11 @@ def main(argv: list[str] | None = None) -> dict:
         f"{r['decode_tokens_per_s']:.1f} tok/s\n"
         f"total:   {r['total_latency_s']:.2f} s"
     )
+    if comm is not None:
+        print(
+            f"tp {args.tp_size}: {r['collective_share']:.1%} of the run inside collectives "
+            f"({r['collective_calls']} calls, {r['collective_s'] * 1e3:.1f} ms)"
+        )
     if args.json:
         print(json.dumps(r))
     return r

@@ -139,7 +139,7 @@ class TritonAttnBackend(AttentionBackend):
     def init_cuda_graph_state(self, max_bs: int) -> None:
         cfg, table = self.runner.model_config, self.runner.req_to_token_pool
         device = self.runner.kv_pool.device
-        split_shape = (max_bs, cfg.num_heads, MAX_KV_SPLITS)
+        split_shape = (max_bs, self.runner.num_local_heads, MAX_KV_SPLITS)
         self._graph = _GraphBuffers(
             kv_indptr=torch.zeros(max_bs + 1, dtype=torch.int32, device=device),
             kv_indices=torch.zeros(

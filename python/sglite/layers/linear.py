@@ -1,9 +1,12 @@
 """Linear layers with tensor-parallel shapes (column split, row split, merged and QKV forms).
 
-tp_size is 1 for now, but each layer already holds only its shard: a column-parallel layer
-keeps `out_features / tp_size` rows of the weight, a row-parallel one `in_features / tp_size`
-columns (its bias is added once, after the all-reduce a tp_size > 1 would need). Checkpoint
-tensors reach the shard through each parameter's `weight_loader(param, tensor, shard_id)`.
+Each layer holds only its shard of the TP group `tp_group` (sglite.distributed): a
+column-parallel layer keeps `out_features / tp_size` rows of the weight and needs no
+communication, a row-parallel one keeps `in_features / tp_size` columns and all-reduces its
+partial output (its bias is added once, after the all-reduce). With tp_size 1 the forward is
+the plain matmul, no collective. Checkpoint tensors reach the shard through each parameter's
+`weight_loader(param, tensor, shard_id)`, which narrows the full tensor to this rank's part.
+QKV: with fewer KV heads than ranks, each rank holds the one KV head its query heads read.
 
 On CPU, `prepack()` converts the weight into oneDNN's blocked layout once after loading
 (`torch.ops.mkldnn._reorder_linear_weight`): the matmuls of a decode step then run about 2x
@@ -19,6 +22,8 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from sglite.distributed import NULL_TP_GROUP, TPGroup, local_head_counts
 
 logger = logging.getLogger(__name__)
 
@@ -112,11 +117,11 @@ class ColumnParallelLinear(LinearBase):
         bias: bool,
         dtype: torch.dtype,
         device: torch.device | None = None,
-        tp_size: int = 1,
-        tp_rank: int = 0,
+        tp_group: TPGroup = NULL_TP_GROUP,
     ) -> None:
+        tp_size = tp_group.size
         _check_divisible(out_features, tp_size, "out_features")
-        self.tp_size, self.tp_rank = tp_size, tp_rank
+        self.tp_size, self.tp_rank = tp_size, tp_group.rank
         super().__init__(
             in_features, out_features // tp_size, bias=bias, dtype=dtype, device=device
         )
@@ -143,11 +148,10 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         bias: bool,
         dtype: torch.dtype,
         device: torch.device | None = None,
-        tp_size: int = 1,
-        tp_rank: int = 0,
+        tp_group: TPGroup = NULL_TP_GROUP,
     ) -> None:
         for size in output_sizes:
-            _check_divisible(size, tp_size, "output size")
+            _check_divisible(size, tp_group.size, "output size")
         self.output_sizes = list(output_sizes)
         super().__init__(
             in_features,
@@ -155,8 +159,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             bias=bias,
             dtype=dtype,
             device=device,
-            tp_size=tp_size,
-            tp_rank=tp_rank,
+            tp_group=tp_group,
         )
 
     def weight_loader(
@@ -187,23 +190,28 @@ class QKVParallelLinear(ColumnParallelLinear):
         bias: bool,
         dtype: torch.dtype,
         device: torch.device | None = None,
-        tp_size: int = 1,
-        tp_rank: int = 0,
+        tp_group: TPGroup = NULL_TP_GROUP,
     ) -> None:
+        tp_size, tp_rank = tp_group.size, tp_group.rank
         _check_divisible(num_heads, tp_size, "num_attention_heads")
-        _check_divisible(num_kv_heads, tp_size, "num_key_value_heads")
+        if num_kv_heads % tp_size and tp_size % num_kv_heads:
+            raise ValueError(
+                f"num_key_value_heads={num_kv_heads} neither divides nor is divided by "
+                f"tp_size={tp_size}"
+            )
         self.head_dim = head_dim
-        self.num_heads = num_heads // tp_size
-        self.num_kv_heads = num_kv_heads // tp_size
-        total = (num_heads + 2 * num_kv_heads) * head_dim
+        self.num_heads, self.num_kv_heads = local_head_counts(num_heads, num_kv_heads, tp_size)
+        # The first KV head of this rank: its own slice, or the replicated head its q reads.
+        replicas = max(1, tp_size // num_kv_heads)
+        self.kv_head_start = tp_rank // replicas * self.num_kv_heads
+        total = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp_size
         super().__init__(
             hidden_size,
             total,
             bias=bias,
             dtype=dtype,
             device=device,
-            tp_size=tp_size,
-            tp_rank=tp_rank,
+            tp_group=tp_group,
         )
 
     @property
@@ -225,9 +233,10 @@ class QKVParallelLinear(ColumnParallelLinear):
         if shard_id not in offsets:
             raise ValueError(f"QKVParallelLinear: shard id must be q, k or v, got {shard_id!r}")
         offset, size = offsets[shard_id]
+        start = self.tp_rank * size if shard_id == "q" else self.kv_head_start * self.head_dim
         _copy_checked(
             param.data.narrow(0, offset, size),
-            loaded.narrow(0, self.tp_rank * size, size),
+            loaded.narrow(0, start, size),
             f"QKVParallelLinear shard {shard_id}",
         )
 
@@ -243,11 +252,11 @@ class RowParallelLinear(LinearBase):
         bias: bool,
         dtype: torch.dtype,
         device: torch.device | None = None,
-        tp_size: int = 1,
-        tp_rank: int = 0,
+        tp_group: TPGroup = NULL_TP_GROUP,
     ) -> None:
+        tp_size = tp_group.size
         _check_divisible(in_features, tp_size, "in_features")
-        self.tp_size, self.tp_rank = tp_size, tp_rank
+        self.tp_size, self.tp_rank, self.tp_group = tp_size, tp_group.rank, tp_group
         super().__init__(
             in_features // tp_size, out_features, bias=bias, dtype=dtype, device=device
         )
@@ -259,3 +268,13 @@ class RowParallelLinear(LinearBase):
             size = param.shape[1]
             loaded = loaded.narrow(1, self.tp_rank * size, size)
         _copy_checked(param.data, loaded, "RowParallelLinear")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return super().forward(x)
+        if self._packed is not None:
+            out = torch.ops.mkldnn._linear_pointwise(x, self._packed, None, "none", [], "")
+        else:
+            out = F.linear(x, self.weight)
+        out = self.tp_group.all_reduce(out)
+        return out if self.bias is None else out + self.bias

@@ -2,8 +2,11 @@
 
 Rank r holds the rows [r * shard, (r+1) * shard) of the [vocab, hidden] table, shard =
 ceil(vocab / tp_size) (the last shard is zero-padded). Ids outside a rank's range embed to
-zero there, so an all-reduce over ranks recovers the full lookup (tp_size is 1 for now).
-The LM head is the same table used as a matmul; with tied embeddings it shares the weight.
+zero there, so an all-reduce over ranks recovers the full lookup. The LM head is the same
+table used as a matmul; with tied embeddings it shares the weight. It computes the logits of
+its shard, all-gathers them over the ranks (every shard has `shard_size` columns, padding
+last) and trims them to the real vocabulary, so every rank has the full logits. With
+tp_size 1 neither layer communicates.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sglite.distributed import NULL_TP_GROUP, TPGroup
 from sglite.layers.linear import can_prepack
 
 logger = logging.getLogger(__name__)
@@ -27,13 +31,13 @@ class VocabParallelEmbedding(nn.Module):
         *,
         dtype: torch.dtype,
         device: torch.device | None = None,
-        tp_size: int = 1,
-        tp_rank: int = 0,
+        tp_group: TPGroup = NULL_TP_GROUP,
     ) -> None:
         super().__init__()
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
-        self.tp_size, self.tp_rank = tp_size, tp_rank
+        tp_size, tp_rank = tp_group.size, tp_group.rank
+        self.tp_size, self.tp_rank, self.tp_group = tp_size, tp_rank, tp_group
         self.shard_size = -(-num_embeddings // tp_size)
         self.vocab_start = tp_rank * self.shard_size
         self.vocab_end = min(num_embeddings, self.vocab_start + self.shard_size)
@@ -60,7 +64,7 @@ class VocabParallelEmbedding(nn.Module):
         in_range = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
         local = (input_ids - self.vocab_start) * in_range
         out = F.embedding(local, self.weight)
-        return out * in_range.unsqueeze(-1).to(out.dtype)
+        return self.tp_group.all_reduce(out * in_range.unsqueeze(-1).to(out.dtype))
 
 
 class ParallelLMHead(VocabParallelEmbedding):
@@ -91,4 +95,6 @@ class ParallelLMHead(VocabParallelEmbedding):
             logits = torch.ops.mkldnn._linear_pointwise(hidden, self._packed, None, "none", [], "")
         else:
             logits = F.linear(hidden, self.weight)
-        return logits[..., : self.vocab_end - self.vocab_start]
+        if self.tp_size == 1:
+            return logits[..., : self.num_embeddings]
+        return self.tp_group.all_gather(logits, dim=-1)[..., : self.num_embeddings]

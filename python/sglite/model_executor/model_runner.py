@@ -12,6 +12,15 @@ writes the request rows of `runner.req_to_token_pool`, builds a `ForwardBatch`
 (`ForwardBatch.extend(...)` / `.decode(...)` with `runner.req_to_token_pool` and
 `runner.kv_pool`), then calls `logits = runner.forward(batch)` and
 `next_ids = runner.sample(logits, SamplingBatchInfo.build(...))`.
+
+Tensor parallelism (`tp_size` > 1, one ModelRunner per rank, each in its own process, all
+running the same batches): the runner first checks that tp_size splits the model (else a
+ValueError naming the sizes that do), joins the TP group at `dist_init_addr` (rank 0
+listens there; `dist_timeout` seconds to rendezvous), loads its shard of the weights and
+builds a KV pool of its own KV heads, sized to the smallest budget of any rank. CUDA decode
+graphs are off under TP for now. Every rank's forward returns the same full logits.
+Sampling: rank 0 samples and broadcasts its tokens, so every rank returns rank 0's tokens
+(even for unseeded requests, which draw from torch's RNG, whose state may differ by rank).
 """
 
 from __future__ import annotations
@@ -23,6 +32,12 @@ import os
 import torch
 
 from sglite.attention import create_attention_backend, default_backend
+from sglite.distributed import (
+    DEFAULT_TIMEOUT_S,
+    check_tp_size,
+    init_tp_group,
+    local_head_counts,
+)
 from sglite.mem_cache.memory_pool import KVPool, ReqToTokenPool, kv_slots_for_budget
 from sglite.model_executor.cuda_graph_runner import (
     CudaGraphRunner,
@@ -98,14 +113,31 @@ class ModelRunner:
         disable_cuda_graph: bool = False,
         cuda_graph_max_bs: int | None = None,
         trust_remote_code: bool = False,
+        tp_size: int = 1,
+        tp_rank: int = 0,
+        dist_init_addr: str | None = None,
+        dist_timeout: float | None = None,
     ) -> None:
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         self.device = resolve_device(device)
+        if self.device.type == "cuda" and tp_size > 1:  # one GPU per rank
+            if self.device.index is None:
+                self.device = torch.device("cuda", tp_rank)
+            torch.cuda.set_device(self.device)
         self.page_size = page_size
         self.model_path = resolve_model_path(model_path, trust_remote_code=trust_remote_code)
         self.tokenizer_path = self.model_path
         self.model_config = self._resolve_config(context_length, trust_remote_code)
+        cfg = self.model_config
+        check_tp_size(tp_size, cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size)
+        self.tp_size, self.tp_rank = tp_size, tp_rank
+        self.num_local_heads, self.num_local_kv_heads = local_head_counts(
+            cfg.num_heads, cfg.num_kv_heads, tp_size
+        )
+        self.tp_group = init_tp_group(
+            tp_size, tp_rank, dist_init_addr, self.device, dist_timeout or DEFAULT_TIMEOUT_S
+        )
         self.dtype = resolve_dtype(dtype, self.device, self.model_config.torch_dtype)
         logger.info(
             "loading %s (%s, %d layers) on %s as %s",
@@ -116,7 +148,11 @@ class ModelRunner:
             str(self.dtype).removeprefix("torch."),
         )
         self.model = load_model(
-            self.model_path, self.model_config, dtype=self.dtype, device=self.device
+            self.model_path,
+            self.model_config,
+            dtype=self.dtype,
+            device=self.device,
+            tp_group=self.tp_group,
         )
         if self.device.type == "cpu":
             logger.info("packing the linear weights for oneDNN")
@@ -160,7 +196,8 @@ class ModelRunner:
         import sglite.core
 
         cfg, ps = self.model_config, self.page_size
-        per_slot = KVPool.bytes_per_slot(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype)
+        kv_heads = self.num_local_kv_heads
+        per_slot = KVPool.bytes_per_slot(cfg.num_layers, kv_heads, cfg.head_dim, self.dtype)
         if max_total_tokens is not None:
             num_slots = max_total_tokens // ps * ps
         elif self.device.type == "cuda":
@@ -179,6 +216,8 @@ class ModelRunner:
             ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
             budget = min(CPU_KV_BUDGET_BYTES, ram // 4)
             num_slots = min(kv_slots_for_budget(budget, per_slot, ps), MAX_DEFAULT_SLOTS)
+        if self.tp_size > 1:  # every rank holds the same slots: the smallest pool wins
+            num_slots = self.tp_group.min_int(num_slots)
         if num_slots < ps:
             raise ValueError(
                 f"the KV pool would hold {num_slots} tokens; raise --max-total-tokens"
@@ -190,7 +229,7 @@ class ModelRunner:
         self.max_running_requests = max_running_requests or min(4096, max(16, num_slots // 32))
         logger.info("building the KV pool: %d tokens", num_slots)
         self.kv_pool = KVPool(
-            num_slots, ps, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device
+            num_slots, ps, cfg.num_layers, kv_heads, cfg.head_dim, self.dtype, self.device
         )
         self.req_to_token_pool = ReqToTokenPool(
             self.max_running_requests, cfg.context_length, self.device
@@ -211,6 +250,9 @@ class ModelRunner:
         if max_bs is not None and max_bs < 1:
             raise ValueError(f"cuda_graph_max_bs must be >= 1, got {max_bs}")
         if self.device.type != "cuda" or disable:
+            return NoCudaGraphs()
+        if self.tp_size > 1:
+            logger.info("CUDA graphs are not captured under tensor parallelism yet; eager decode")
             return NoCudaGraphs()
         if not self.attn_backend.supports_cuda_graph:
             logger.info(
@@ -233,6 +275,13 @@ class ModelRunner:
             return self.model(batch.input_ids, batch.positions, batch)
 
     def sample(self, logits: torch.Tensor, sampling_info: SamplingBatchInfo) -> torch.Tensor:
-        """Next token per request, `[B]` int64 on the runner's device."""
+        """Next token per request, `[B]` int64 on the runner's device. Under TP every rank
+        must call it (a collective): rank 0 samples, the others receive its tokens."""
         with torch.inference_mode():
-            return self.sampler(logits, sampling_info)
+            if self.tp_size == 1:
+                return self.sampler(logits, sampling_info)
+            if self.tp_rank == 0:
+                next_ids = self.sampler(logits, sampling_info)
+            else:
+                next_ids = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
+            return self.tp_group.broadcast(next_ids, src=0)

@@ -19,6 +19,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from sglite.distributed import NULL_TP_GROUP, TPGroup
 from sglite.layers.activation import SiluAndMul
 from sglite.layers.layernorm import RMSNorm
 from sglite.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -42,14 +43,25 @@ def default_weight_loader(
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | None):
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype,
+        device: torch.device | None,
+        tp_group: TPGroup = NULL_TP_GROUP,
+    ):
         super().__init__()
-        size = config.intermediate_size
+        size, bias = config.intermediate_size, config.mlp_bias
         self.gate_up_proj = MergedColumnParallelLinear(
-            config.hidden_size, [size, size], bias=config.mlp_bias, dtype=dtype, device=device
+            config.hidden_size,
+            [size, size],
+            bias=bias,
+            dtype=dtype,
+            device=device,
+            tp_group=tp_group,
         )
         self.down_proj = RowParallelLinear(
-            size, config.hidden_size, bias=config.mlp_bias, dtype=dtype, device=device
+            size, config.hidden_size, bias=bias, dtype=dtype, device=device, tp_group=tp_group
         )
         self.act_fn = SiluAndMul()
 
@@ -69,25 +81,29 @@ class LlamaAttention(nn.Module):
         qkv_bias: bool,
         o_bias: bool,
         qk_norm: bool,
+        tp_group: TPGroup = NULL_TP_GROUP,
     ) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
         self.head_dim = config.head_dim
         self.qkv_proj = QKVParallelLinear(
             config.hidden_size,
             self.head_dim,
-            self.num_heads,
-            self.num_kv_heads,
+            config.num_heads,
+            config.num_kv_heads,
             bias=qkv_bias,
             dtype=dtype,
             device=device,
+            tp_group=tp_group,
         )
+        # This rank's heads (all of them with tp_size 1).
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.o_proj = RowParallelLinear(
-            self.num_heads * self.head_dim,
+            config.num_heads * self.head_dim,
             config.hidden_size,
             bias=o_bias,
             dtype=dtype,
             device=device,
+            tp_group=tp_group,
         )
         self.q_norm = self.k_norm = None
         if qk_norm:
@@ -115,11 +131,18 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, attn: LlamaAttention, config: ModelConfig, dtype, device) -> None:
+    def __init__(
+        self,
+        attn: LlamaAttention,
+        config: ModelConfig,
+        dtype,
+        device,
+        tp_group: TPGroup = NULL_TP_GROUP,
+    ) -> None:
         super().__init__()
         eps = config.rms_norm_eps
         self.self_attn = attn
-        self.mlp = LlamaMLP(config, dtype, device)
+        self.mlp = LlamaMLP(config, dtype, device, tp_group)
         self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype, device=device)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype, device=device)
 
@@ -140,10 +163,17 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, layers: list[LlamaDecoderLayer], config: ModelConfig, dtype, device):
+    def __init__(
+        self,
+        layers: list[LlamaDecoderLayer],
+        config: ModelConfig,
+        dtype,
+        device,
+        tp_group: TPGroup = NULL_TP_GROUP,
+    ):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(
-            config.vocab_size, config.hidden_size, dtype=dtype, device=device
+            config.vocab_size, config.hidden_size, dtype=dtype, device=device, tp_group=tp_group
         )
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device)
@@ -170,8 +200,14 @@ class LlamaForCausalLM(nn.Module):
     )
 
     def __init__(
-        self, config: ModelConfig, *, dtype: torch.dtype, device: torch.device | None = None
+        self,
+        config: ModelConfig,
+        *,
+        dtype: torch.dtype,
+        device: torch.device | None = None,
+        tp_group: TPGroup = NULL_TP_GROUP,
     ) -> None:
+        """With `tp_group` of size > 1 the model holds this rank's shard (see layers.linear)."""
         super().__init__()
         self.config = config
         self.rotary_emb = RotaryEmbedding(
@@ -193,16 +229,18 @@ class LlamaForCausalLM(nn.Module):
                     qkv_bias=self.has_qkv_bias(config),
                     o_bias=self.has_o_bias(config),
                     qk_norm=self.qk_norm,
+                    tp_group=tp_group,
                 ),
                 config,
                 dtype,
                 device,
+                tp_group,
             )
             for i in range(config.num_layers)
         ]
-        self.model = LlamaModel(layers, config, dtype, device)
+        self.model = LlamaModel(layers, config, dtype, device, tp_group)
         self.lm_head = ParallelLMHead(
-            config.vocab_size, config.hidden_size, dtype=dtype, device=device
+            config.vocab_size, config.hidden_size, dtype=dtype, device=device, tp_group=tp_group
         )
         if config.tie_word_embeddings:
             self.lm_head.tie_to(self.model.embed_tokens)

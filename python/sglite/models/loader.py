@@ -6,6 +6,9 @@ an HF folder in the cache (see sglite.models.gguf), or a Hugging Face repo id, r
 its snapshot in the local Hub cache (downloaded when missing; see sglite.models.hub). The
 server resolves repo ids once, in its main process, so its children only see folders.
 Weights load with a progress bar over the checkpoint's tensors, then the load time is logged.
+Under tensor parallelism each rank reads the checkpoint itself and its layers' weight
+loaders narrow every tensor to the rank's shard: one full tensor at a time is in memory
+beside the rank's shard of the model, never a full copy of the model.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from sglite.distributed import NULL_TP_GROUP, TPGroup
 from sglite.models.model_config import ModelConfig
 from sglite.models.registry import get_model_class
 
@@ -94,13 +98,19 @@ def iter_weights(path: Path, progress: bool = False) -> Iterator[tuple[str, torc
 
 
 def load_model(
-    path: Path, config: ModelConfig, *, dtype: torch.dtype, device: torch.device
+    path: Path,
+    config: ModelConfig,
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    tp_group: TPGroup = NULL_TP_GROUP,
 ) -> nn.Module:
-    """Instantiate the registered class for `config.architecture` and load its weights."""
+    """Instantiate the registered class for `config.architecture` and load its weights
+    (this rank's shard of them when `tp_group` has more than one rank)."""
     start = time.perf_counter()
     model_cls = get_model_class(config.architecture)
-    model = model_cls(config, dtype=dtype, device=device)
-    model.load_weights(iter_weights(path, progress=True))
+    model = model_cls(config, dtype=dtype, device=device, tp_group=tp_group)
+    model.load_weights(iter_weights(path, progress=tp_group.rank == 0))
     model.eval()
     logger.info(
         "loaded the weights (%s, %s) in %.1f s",

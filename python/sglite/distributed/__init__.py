@@ -1,0 +1,220 @@
+"""Tensor-parallel communication: the TP process group and the collectives the model needs.
+
+`init_tp_group(tp_size, tp_rank, dist_init_addr, device)` returns a `TPGroup`:
+
+- tp_size 1: `NullTPGroup`, no process group at all; its collectives return their input, and
+  the layers never call them (a tp_size 1 forward runs exactly the ops it ran before TP).
+- tp_size > 1: `TorchTPGroup` over `torch.distributed` (gloo on CPU, NCCL on CUDA). Every rank
+  connects to `dist_init_addr` ("host:port", rank 0 listens there); the rendezvous gives up
+  after `timeout_s` with a RuntimeError naming the ranks that did not arrive, instead of
+  hanging.
+
+Contract: every rank calls the same collectives in the same order with tensors of the same
+shape (the model's forward does, since every rank runs the same batch). All-reduce and
+all-gather leave the same values on every rank.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_S = 60.0
+
+
+class TPGroup:
+    """The ranks that split one model. `size` ranks, this process is `rank`."""
+
+    size: int = 1
+    rank: int = 0
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum of `x` over the ranks (may reuse `x`'s storage)."""
+        raise NotImplementedError
+
+    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """The ranks' `x` concatenated along `dim`, in rank order."""
+        raise NotImplementedError
+
+    def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """`x` of rank `src` on every rank (written into `x`)."""
+        raise NotImplementedError
+
+    def min_int(self, value: int) -> int:
+        """The smallest `value` of any rank (start-up agreement, e.g. the KV pool size)."""
+        raise NotImplementedError
+
+    def barrier(self) -> None:
+        raise NotImplementedError
+
+    def destroy(self) -> None:
+        raise NotImplementedError
+
+
+class NullTPGroup(TPGroup):
+    """tp_size 1: no process group; every collective is the identity."""
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        return x
+
+    def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
+        return x
+
+    def min_int(self, value: int) -> int:
+        return value
+
+    def barrier(self) -> None:
+        pass
+
+    def destroy(self) -> None:
+        pass
+
+
+NULL_TP_GROUP = NullTPGroup()
+
+
+class TorchTPGroup(TPGroup):
+    """A torch.distributed process group of `size` ranks (this process's default group)."""
+
+    def __init__(self, size: int, rank: int, group) -> None:
+        self.size, self.rank, self.group = size, rank, group
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        import torch.distributed as dist
+
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x, group=self.group)
+        return torch.cat(parts, dim=dim)
+
+    def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
+        import torch.distributed as dist
+
+        dist.broadcast(x, src=src, group=self.group)
+        return x
+
+    def min_int(self, value: int) -> int:
+        import torch.distributed as dist
+
+        device = "cuda" if dist.get_backend(self.group) == "nccl" else "cpu"
+        t = torch.tensor([value], dtype=torch.int64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        return int(t.item())
+
+    def barrier(self) -> None:
+        import torch.distributed as dist
+
+        dist.barrier(group=self.group)
+
+    def destroy(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def valid_tp_sizes(num_heads: int, num_kv_heads: int, intermediate_size: int) -> list[int]:
+    """The tp sizes that split this model: they divide the attention heads and the MLP
+    width, and either divide the KV heads or are a multiple of them (KV heads replicated)."""
+    return [
+        t
+        for t in range(1, num_heads + 1)
+        if num_heads % t == 0
+        and intermediate_size % t == 0
+        and (num_kv_heads % t == 0 or t % num_kv_heads == 0)
+    ]
+
+
+def check_tp_size(tp_size: int, num_heads: int, num_kv_heads: int, intermediate_size: int) -> None:
+    """Raise ValueError, naming the sizes that work, when `tp_size` cannot split the model."""
+    valid = valid_tp_sizes(num_heads, num_kv_heads, intermediate_size)
+    if tp_size in valid:
+        return
+    if tp_size < 1:
+        why = "it must be >= 1"
+    elif num_heads % tp_size:
+        why = f"the model has {num_heads} attention heads"
+    elif intermediate_size % tp_size:
+        why = f"the model's MLP width {intermediate_size} is not divisible by it"
+    else:
+        why = (
+            f"the model has {num_kv_heads} KV heads (a tp size must divide them or be a "
+            "multiple of them)"
+        )
+    raise ValueError(
+        f"--tp-size {tp_size}: {why}; tp sizes that work: {', '.join(map(str, valid))}"
+    )
+
+
+def local_head_counts(num_heads: int, num_kv_heads: int, tp_size: int) -> tuple[int, int]:
+    """(query heads, KV heads) on one rank; with fewer KV heads than ranks each rank holds
+    the one KV head its query heads read (KV heads replicated over tp_size/num_kv_heads
+    ranks)."""
+    return num_heads // tp_size, max(1, num_kv_heads // tp_size)
+
+
+def _parse_addr(addr: str) -> tuple[str, int]:
+    host, sep, port = addr.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"dist_init_addr must be host:port, got {addr!r}")
+    return host.strip("[]"), int(port)
+
+
+def init_tp_group(
+    tp_size: int,
+    tp_rank: int,
+    dist_init_addr: str | None,
+    device: torch.device,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> TPGroup:
+    """Join the TP group (see the module docstring). tp_size 1 creates nothing."""
+    if tp_size < 1 or not 0 <= tp_rank < tp_size:
+        raise ValueError(
+            f"tp_rank must be in [0, tp_size), got tp_rank={tp_rank}, tp_size={tp_size}"
+        )
+    if tp_size == 1:
+        return NULL_TP_GROUP
+    if dist_init_addr is None:
+        raise ValueError(
+            f"tp_size {tp_size} needs dist_init_addr (host:port where rank 0 listens, the same "
+            "on every rank)"
+        )
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        raise RuntimeError("this process already belongs to a torch.distributed group")
+    host, port = _parse_addr(dist_init_addr)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = datetime.timedelta(seconds=timeout_s)
+    try:
+        store = dist.TCPStore(
+            host, port, tp_size, is_master=tp_rank == 0, timeout=timeout, wait_for_workers=True
+        )
+        dist.init_process_group(
+            backend, store=store, world_size=tp_size, rank=tp_rank, timeout=timeout
+        )
+    except (RuntimeError, OSError) as e:  # DistStoreError is a RuntimeError
+        raise RuntimeError(
+            f"TP rank {tp_rank}/{tp_size}: the rendezvous at {dist_init_addr} failed within "
+            f"{timeout_s:g} s ({e}); are all {tp_size} ranks started with the same "
+            "--dist-init-addr?"
+        ) from e
+    group = TorchTPGroup(tp_size, tp_rank, dist.group.WORLD)
+    group.barrier()  # every rank is there (and NCCL's communicator is built) before loading
+    logger.info(
+        "TP rank %d/%d joined the group at %s (%s)", tp_rank, tp_size, dist_init_addr, backend
+    )
+    return group
