@@ -7,14 +7,18 @@ before anything reaches the scheduler. A failure raises `RequestError` with the 
 
 from __future__ import annotations
 
+import logging
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
+from sglite.constrained import edge_check
 from sglite.core.budget import PrefillBudget
 from sglite.logprobs import LogprobOptions
-from sglite.sampling_params import SamplingParams
+from sglite.sampling_params import SamplingParams, model_sampling_defaults
+
+logger = logging.getLogger(__name__)
 
 MAX_N = 128  # parallel samples per prompt
 
@@ -74,6 +78,35 @@ class InputProcessor:
         self.sampling_defaults = dict(sampling_defaults or {})  # fields a request leaves out
         # structured output: a syntax check of the grammar (sglite.constrained.edge_check)
         self.check_grammar = check_grammar
+
+    @classmethod
+    def for_server(
+        cls,
+        tokenizer: Any,
+        server_args: Any,
+        model_info: dict[str, Any],
+        is_rid_free: Callable[[str], bool],
+    ) -> InputProcessor:
+        """The checks a server (or Engine) makes: the model's limits from the scheduler's
+        ready info, sampling defaults per --sampling-defaults (logged), the grammar
+        backend's syntax check."""
+        defaults: dict[str, Any] = {}
+        if getattr(server_args, "sampling_defaults", "model") == "model":
+            defaults = model_sampling_defaults(model_info.get("model_path"))
+            if defaults:
+                logger.info(
+                    "sampling defaults from the model's generation_config.json: %s", defaults
+                )
+        return cls(
+            tokenizer,
+            context_length=int(model_info["context_length"]),
+            vocab_size=int(model_info["vocab_size"]),
+            max_total_tokens=model_info.get("max_total_tokens"),
+            page_size=server_args.page_size,
+            is_rid_free=is_rid_free,
+            sampling_defaults=defaults,
+            check_grammar=edge_check(getattr(server_args, "grammar_backend", "xgrammar")),
+        )
 
     def max_new_tokens_limit(self, prompt_len: int) -> int:
         """The most new tokens a prompt may ask for: it must fit in the context and be

@@ -27,7 +27,6 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from sglite.constrained import edge_check
 from sglite.ipc import AsyncReceiver, IpcNames
 from sglite.messages import (
     AbortReq,
@@ -38,7 +37,6 @@ from sglite.messages import (
     GetStatsReq,
     StatsResp,
 )
-from sglite.sampling_params import model_sampling_defaults
 from sglite.scheduler.watchdog import Heartbeat, stall_threshold
 from sglite.server.dp_dispatcher import Dispatcher, merge_flush, merge_stats
 from sglite.server.inputs import InputProcessor, Prompt, QueueFullError, RequestError
@@ -87,15 +85,8 @@ class TokenizerManager:
             getattr(server_args, "log_requests_level", 0),
         )
         self.states: dict[str, ReqState] = {}
-        self.inputs = InputProcessor(
-            tokenizer,
-            context_length=self.context_length,
-            vocab_size=self.vocab_size,
-            max_total_tokens=self.max_total_tokens,
-            page_size=server_args.page_size,
-            is_rid_free=lambda r: r not in self.states,
-            sampling_defaults=self._sampling_defaults(),
-            check_grammar=edge_check(getattr(server_args, "grammar_backend", "xgrammar")),
+        self.inputs = InputProcessor.for_server(
+            tokenizer, server_args, model_info, is_rid_free=lambda r: r not in self.states
         )
         self.dead_reason: str | None = None  # set when a child process died
         self.heartbeat = heartbeat or Heartbeat()  # when the scheduler's current step began
@@ -110,14 +101,6 @@ class TokenizerManager:
         self.token_texts = TokenTexts(tokenizer)  # log-prob entries' token texts
         self._recv_task: asyncio.Task | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
-
-    def _sampling_defaults(self) -> dict[str, Any]:
-        if getattr(self.server_args, "sampling_defaults", "model") != "model":
-            return {}
-        defaults = model_sampling_defaults(self.model_info.get("model_path"))
-        if defaults:
-            logger.info("sampling defaults from the model's generation_config.json: %s", defaults)
-        return defaults
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
