@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 
 import httpx
 import jsonschema
 import openai
 import pytest
 
-from fixtures.serving import CHAT_TEMPLATE, start_server
+from fixtures.serving import start_server
 
 EOS = 2
 SCHEMA = {
@@ -35,22 +34,9 @@ MESSAGES = [{"role": "user", "content": "Describe the river town as JSON."}]
 
 
 @pytest.fixture(scope="module")
-def chat_model_dir(tiny_model_dir, tmp_path_factory):
-    """The tiny model with a ChatML template (the fixture's own has none)."""
-    from transformers import AutoTokenizer
-
-    out = tmp_path_factory.mktemp("tiny_chat") / "model"
-    shutil.copytree(tiny_model_dir("llama"), out)
-    tok = AutoTokenizer.from_pretrained(str(out))
-    tok.chat_template = CHAT_TEMPLATE
-    tok.save_pretrained(str(out))
-    return out
-
-
-@pytest.fixture(scope="module")
-def srv(chat_model_dir, tmp_path_factory):
+def srv(tiny_chat_model_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("log") / "server.log"
-    args = ["--model-path", str(chat_model_dir), "--max-total-tokens", "8192",
+    args = ["--model-path", str(tiny_chat_model_dir), "--max-total-tokens", "8192",
             "--tool-call-parser", "qwen"]  # fmt: skip
     server = start_server([*args, "--served-model-name", "m"], log, fake=False)
     yield server

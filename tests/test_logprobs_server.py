@@ -9,32 +9,17 @@ import openai
 import pytest
 import torch
 
-from fixtures.serving import CHAT_TEMPLATE, start_server
+from fixtures.serving import start_server
 
 TOL = 1e-3
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 3
 
 
 @pytest.fixture(scope="module")
-def model_dir(tiny_model_dir, tmp_path_factory):
-    """The tiny llama with a chat template (for the chat route)."""
-    import shutil
-
-    from transformers import AutoTokenizer
-
-    path = tmp_path_factory.mktemp("chat-llama") / "model"
-    shutil.copytree(tiny_model_dir("llama"), path)
-    tok = AutoTokenizer.from_pretrained(str(path))
-    tok.chat_template = CHAT_TEMPLATE
-    tok.save_pretrained(str(path))
-    return path
-
-
-@pytest.fixture(scope="module")
-def server(model_dir, tmp_path_factory):
+def server(tiny_chat_model_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("log") / "server.log"
     srv = start_server(
-        ["--model-path", str(model_dir), "--max-total-tokens", "4096",
+        ["--model-path", str(tiny_chat_model_dir), "--max-total-tokens", "4096",
          "--served-model-name", "m", "--chunked-prefill-size", "16"],
         log,
         fake=False,
@@ -45,10 +30,10 @@ def server(model_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def hf(model_dir):
+def hf(tiny_chat_model_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = str(model_dir)
+    path = str(tiny_chat_model_dir)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     return model, AutoTokenizer.from_pretrained(path)
 
