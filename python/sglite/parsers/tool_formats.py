@@ -27,6 +27,20 @@ from sglite.parsers.base import (
 from sglite.parsers.json_call import DONE, FAILED, RUNNING, CallReader
 
 
+def _scan_to_tag(buf: str, tag: str, out: list[Event]) -> tuple[str, str, bool]:
+    """Emit the text of `buf` before `tag` as content. Returns (the whitespace just before the
+    tag, the rest of `buf` after it, True); without the tag yet, ("", the held-back end of
+    `buf`: a possible partial tag and the whitespace before it, False)."""
+    i = buf.find(tag)
+    if i < 0:
+        end = _split_trailing_space(buf, partial_tag_len(buf, (tag,)))
+        out.append(Content(buf[:end]))
+        return "", buf[end:], False
+    before = buf[:i].rstrip()
+    out.append(Content(before))
+    return buf[len(before) : i], buf[i + len(tag) :], True
+
+
 def _split_trailing_space(text: str, keep: int) -> int:
     """How much of `text` can be emitted: not the last `keep` characters (a possible tag)
     nor the whitespace before them (dropped if a call follows)."""
@@ -69,17 +83,9 @@ class HermesToolParser(BufferedParser):
             self._strip = not self._buf
             if self._strip:
                 return False
-        buf = self._buf
-        i = buf.find(self.START)
-        if i < 0:
-            end = _split_trailing_space(buf, partial_tag_len(buf, (self.START,)))
-            out.append(Content(buf[:end]))
-            self._buf = buf[end:]
+        self._space, self._buf, found = _scan_to_tag(self._buf, self.START, out)
+        if not found:
             return False
-        before = buf[:i].rstrip()
-        out.append(Content(before))
-        self._space = buf[len(before) : i]
-        self._buf = buf[i + len(self.START) :]
         self.calls.begin()
         self._state = "call"
         return True
@@ -161,17 +167,10 @@ class Llama3ToolParser(BufferedParser):
         return True
 
     def _text(self, out: list[Event]) -> bool:
-        buf = self._buf
-        i = buf.find(self.TAG)
-        if i < 0:
-            end = _split_trailing_space(buf, partial_tag_len(buf, (self.TAG,)))
-            out.append(Content(buf[:end]))
-            self._buf = buf[end:]
+        space, self._buf, found = _scan_to_tag(self._buf, self.TAG, out)
+        if not found:
             return False
-        before = buf[:i].rstrip()
-        out.append(Content(before))
-        self._prefix = buf[len(before) : i + len(self.TAG)]
-        self._buf, self._state = buf[i + len(self.TAG) :], "expect"
+        self._prefix, self._state = space + self.TAG, "expect"
         return True
 
     def _expect(self, out: list[Event]) -> bool:
