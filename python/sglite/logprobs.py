@@ -176,13 +176,13 @@ def compute_logprobs(
         return results
     logprobs = torch.log_softmax(torch.cat(rows).float(), dim=-1)
     picked = logprobs.gather(1, torch.cat(targets).view(-1, 1)).view(-1)
-    owner_of = np.repeat([o[0] for o in owners], [o[2] for o in owners])
-    k = max((specs[i].top_k for i in set(owner_of.tolist())), default=0)
+    asking = [specs[i] for i in {o[0] for o in owners}]
+    k = max(spec.top_k for spec in asking)
     top_vals = top_ids = None
     if k:
         top = logprobs.topk(k, dim=-1)
         top_vals, top_ids = top.values.cpu().tolist(), top.indices.cpu().tolist()
-    id_sets = {specs[i].token_ids for i in set(owner_of.tolist())} - {None}
+    id_sets = {spec.token_ids for spec in asking} - {None}
     selected_vals = {ids: logprobs[:, list(ids)].cpu().tolist() for ids in id_sets}
     picked_l = picked.cpu().tolist()
     target_l = torch.cat(targets).cpu().tolist()
