@@ -81,7 +81,7 @@ def test_defaults_follow_sglang():
         (["--max-queued-requests", "0"], "--max-queued-requests"),
         (["--api-key", " "], "--api-key"),
         (["--allowed-origins", " , "], "--allowed-origins"),
-        (["--tp", "2"], "--tp-size"),
+        (["--tp", "0"], "--tp-size"),
         (["--log-requests-level", "4"], "--log-requests-level"),
         (["--dtype", "int8"], "--dtype"),
         (["--tokenizer-mode", "fast"], "--tokenizer-mode"),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -110,7 +111,30 @@ class ServerArgs:
     )
     disable_cuda_graph: bool = _f(False, "Run decode eagerly on CUDA.")
     cuda_graph_max_bs: int | None = _f(None, "Largest decode batch captured in a CUDA graph.")
-    tp_size: int = _f(1, "Tensor-parallel size (1 is supported).")
+    tp_size: int = _f(
+        1,
+        "Tensor-parallel size: N scheduler processes (ranks) that split each layer of the "
+        "model and run every batch together (gloo on CPU, NCCL on CUDA, one GPU per rank). "
+        "It must divide the model's attention heads; start-up names the sizes that work.",
+    )
+    nnodes: int = _f(
+        1, "Machines the --tp-size ranks are spread over (each runs tp-size/nnodes ranks)."
+    )
+    node_rank: int = _f(
+        0,
+        "This machine's index among --nnodes: node 0 runs the HTTP server and TP ranks "
+        "0..tp-size/nnodes-1; node k only its scheduler ranks, which join node 0's.",
+    )
+    dist_init_addr: str | None = _f(
+        None,
+        "HOST:PORT where TP rank 0 listens for the other ranks to join (the same on every "
+        "node). Default with --nnodes 1: 127.0.0.1 and a free port.",
+    )
+    dist_timeout: float = _f(
+        60.0,
+        "Seconds the TP ranks wait for each other: to join at start-up, and in any one "
+        "collective; a rank that does not arrive in time stops the server with its name.",
+    )
     dp_size: int = _f(
         1,
         "Data-parallel replicas: N scheduler processes, each a full copy of the model with "
@@ -250,10 +274,9 @@ class ServerArgs:
             )
         if self.context_length is not None and self.context_length < 2:
             bad("context_length", f"must be >= 2, got {self.context_length}")
-        if self.tp_size != 1:
-            bad("tp_size", f"only 1 is supported for now, got {self.tp_size}")
         if self.dp_size < 1:
             bad("dp_size", f"must be >= 1, got {self.dp_size}")
+        self._check_tensor_parallel(bad)
         if not 0 < self.port < 65536:
             bad("port", f"must be in 1..65535, got {self.port}")
         if not 0 < self.schedule_conservativeness <= 10:
@@ -288,7 +311,39 @@ class ServerArgs:
             if value is not None and choices and value not in choices:
                 bad(f.name, f"must be one of {', '.join(choices)}, got {value!r}")
 
+    def _check_tensor_parallel(self, bad: Callable[[str, str], None]) -> None:
+        # whether tp_size splits the model is checked where the model config is read
+        if self.tp_size < 1:
+            bad("tp_size", f"must be >= 1, got {self.tp_size}")
+        if self.tp_size > 1 and self.dp_size > 1:
+            bad("dp_size", "cannot be combined with --tp-size > 1 yet; use one of the two")
+        if self.nnodes < 1:
+            bad("nnodes", f"must be >= 1, got {self.nnodes}")
+        if self.tp_size % self.nnodes:
+            bad("nnodes", f"must divide --tp-size {self.tp_size}, got {self.nnodes}")
+        if not 0 <= self.node_rank < self.nnodes:
+            bad("node_rank", f"must be in 0..{self.nnodes - 1} (--nnodes), got {self.node_rank}")
+        if self.nnodes > 1 and self.dist_init_addr is None:
+            bad("dist_init_addr", "is required with --nnodes > 1 (node 0's HOST:PORT)")
+        addr = self.dist_init_addr
+        if addr is not None:
+            host, _, port = addr.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                bad("dist_init_addr", f"must be HOST:PORT, got {addr!r}")
+        if not self.dist_timeout > 0:
+            bad("dist_timeout", f"must be > 0 seconds, got {self.dist_timeout}")
+
     # ---------------------------------------------------------------- derived
+    @property
+    def tp_size_per_node(self) -> int:
+        return self.tp_size // self.nnodes
+
+    @property
+    def node_tp_ranks(self) -> range:
+        """The TP ranks this node runs."""
+        n = self.tp_size_per_node
+        return range(self.node_rank * n, (self.node_rank + 1) * n)
+
     @property
     def chunking_enabled(self) -> bool:
         return self.chunked_prefill_size not in (None, -1)

@@ -1,4 +1,5 @@
-"""Data-parallel replicas (`--dp-size N`): their process names, IPC inputs and heartbeats.
+"""Scheduler processes: data-parallel replicas and tensor-parallel ranks, their names, IPC
+inputs and heartbeats.
 
 With `--dp-size N` the launcher starts N scheduler processes, each a full copy of the model
 with its own KV pool and prefix tree, behind one TokenizerManager and one detokenizer.
@@ -6,6 +7,9 @@ Replica i reads its requests from its own input socket (`replica_ipc`); all repl
 token ids to the one detokenizer and control replies (tagged with their `dp_rank`) to the
 TokenizerManager, whose dispatcher (server/dp_dispatcher.py) picks a replica per request.
 With `--dp-size 1` every name and address is the single-scheduler one, unchanged.
+
+With `--tp-size N` (and --dp-size 1) the N scheduler processes are the ranks of one model:
+"scheduler_tp{r}", each node starting its own ranks; only rank 0 reads the input socket.
 """
 
 from __future__ import annotations
@@ -24,6 +28,18 @@ def replica_name(rank: int, dp_size: int) -> str:
     return SCHEDULER if dp_size == 1 else f"{SCHEDULER}_dp{rank}"
 
 
+def tp_rank_name(tp_rank: int) -> str:
+    """The process-group key of tensor-parallel rank `tp_rank` (tp_size > 1)."""
+    return f"{SCHEDULER}_tp{tp_rank}"
+
+
+def scheduler_names(dp_size: int, tp_ranks: Sequence[int] = (0,), tp_size: int = 1) -> list[str]:
+    """The scheduler processes a node starts: its TP ranks, else the DP replicas."""
+    if tp_size > 1:
+        return [tp_rank_name(r) for r in tp_ranks]
+    return [replica_name(rank, dp_size) for rank in range(dp_size)]
+
+
 def replica_rank(name: str) -> int | None:
     """The rank of a scheduler process-group key; None for other processes."""
     if name == SCHEDULER:
@@ -32,9 +48,23 @@ def replica_rank(name: str) -> int | None:
     return int(name[len(prefix) :]) if name.startswith(prefix) else None
 
 
+def tp_rank_of(name: str) -> int | None:
+    """The TP rank of a scheduler process-group key; None for other processes."""
+    prefix = f"{SCHEDULER}_tp"
+    return int(name[len(prefix) :]) if name.startswith(prefix) else None
+
+
+def is_scheduler(name: str) -> bool:
+    return replica_rank(name) is not None or tp_rank_of(name) is not None
+
+
 def describe_process(name: str) -> str:
     """How a log line names a child process: "the scheduler process", "the scheduler
-    process of data-parallel replica 1", "the detokenizer process"."""
+    process of data-parallel replica 1", "the scheduler process of TP rank 1", "the
+    detokenizer process"."""
+    tp_rank = tp_rank_of(name)
+    if tp_rank is not None:
+        return f"the {SCHEDULER} process of TP rank {tp_rank}"
     rank = replica_rank(name)
     if rank is None or name == SCHEDULER:
         return f"the {name} process"

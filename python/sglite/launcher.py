@@ -6,6 +6,10 @@ children themselves (spawning, readiness, death watch, stop) are process_group.p
 `--dp-size N` there are N scheduler processes; start-up fails if any one fails, and a child
 that exits while serving takes the server down with a log line naming it, instead of
 leaving a port that accepts requests nobody answers.
+
+With `--tp-size N` the scheduler processes are TP ranks; with `--nnodes > 1`, node 0 runs
+the HTTP server and its ranks, and `launch_server` on node k > 0 runs only node k's ranks
+(`serve_node`): no HTTP server; it ends when a rank ends (rank 0 gone takes them all).
 """
 
 from __future__ import annotations
@@ -96,6 +100,16 @@ class Backend:
         self.ipc.cleanup()
 
 
+def with_dist_init_addr(server_args: ServerArgs) -> ServerArgs:
+    """--tp-size > 1 on one node without --dist-init-addr: rank 0 listens on a free port."""
+    if server_args.tp_size == 1 or server_args.dist_init_addr is not None:
+        return server_args
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return server_args.replace(dist_init_addr=f"127.0.0.1:{port}")
+
+
 def start_backend(
     server_args: ServerArgs,
     *,
@@ -103,7 +117,7 @@ def start_backend(
     detokenizer_entry: Entry = DETOKENIZER_ENTRY,
 ) -> Backend:
     """Resolve the model, spawn the children and wait until the model is loaded."""
-    server_args = resolve_model(server_args)
+    server_args = with_dist_init_addr(resolve_model(server_args))
     ipc = IpcNames.allocate()
     procs = ProcessGroup(
         server_args, ipc, scheduler_entry=scheduler_entry, detokenizer_entry=detokenizer_entry
@@ -184,6 +198,8 @@ def launch_server(
 
     setup_logging(server_args.log_level)
     signal.signal(signal.SIGTERM, _raise_exit)  # uvicorn re-raises it after its shutdown
+    if server_args.node_rank > 0:
+        return serve_node(server_args, scheduler_entry=scheduler_entry)
     check_port_free(server_args.host, server_args.port)
     try:
         backend = start_backend(
@@ -225,4 +241,42 @@ def launch_server(
     finally:
         backend.shutdown()
         logger.info("shut down")
+    return exit_code
+
+
+def serve_node(server_args: ServerArgs, *, scheduler_entry: Entry = SCHEDULER_ENTRY) -> int:
+    """Node k > 0 of a multi-node TP server: run this node's ranks until one of them ends
+    (0 after Ctrl-C / SIGTERM, else 1)."""
+    args = resolve_model(server_args)
+    ranks = args.node_tp_ranks
+    logger.info(
+        "node %d of %d: starting TP ranks %d..%d of %d; they join TP rank 0 at %s "
+        "(node 0 runs the HTTP server)",
+        args.node_rank, args.nnodes, ranks[0], ranks[-1], args.tp_size, args.dist_init_addr,
+    )  # fmt: skip
+    ipc = IpcNames.allocate()
+    procs = ProcessGroup(args, ipc, scheduler_entry=scheduler_entry)
+    ended = threading.Event()
+    exit_code = 0
+
+    def on_death(name: str, code: int | None) -> None:
+        nonlocal exit_code
+        exit_code = 1
+        logger.error("%s; node %d stops", death_reason(name, code, args), args.node_rank)
+        ended.set()
+
+    try:
+        procs.start()
+        logger.info(
+            "node %d: TP ranks %d..%d joined and loaded; serving until TP rank 0 goes away",
+            args.node_rank, ranks[0], ranks[-1],
+        )  # fmt: skip
+        procs.watch(on_death)
+        ended.wait()
+    except (KeyboardInterrupt, SystemExit):
+        pass
+    finally:
+        procs.shutdown()
+        ipc.cleanup()
+        logger.info("node %d shut down", args.node_rank)
     return exit_code

@@ -5,7 +5,8 @@ parent stops them with SIGTERM, then SIGKILL after a grace period) and die with 
 `start()` blocks until every child reports ready (or one fails: `StartupError` with its
 traceback), logging progress while it waits; `watch()` reports a child that exits unasked,
 and `death_reason` says why in one sentence (a scheduler stopped by its watchdog exits with
-WATCHDOG_EXIT_CODE). With `--dp-size N` there are N schedulers, named by dp_replicas.py.
+WATCHDOG_EXIT_CODE). With `--dp-size N` there are N schedulers, with `--tp-size N` the
+node's TP ranks (names in dp_replicas.py); only node 0 has a detokenizer.
 """
 
 from __future__ import annotations
@@ -28,11 +29,14 @@ from sglite.config import ServerArgs
 from sglite.dp_replicas import (
     HeartbeatGroup,
     describe_process,
+    is_scheduler,
     replica_ipc,
-    replica_name,
     replica_rank,
+    scheduler_names,
+    tp_rank_of,
 )
 from sglite.ipc import IpcNames
+from sglite.scheduler.tp_sync import PEER_LOST_EXIT_CODE
 from sglite.scheduler.watchdog import WATCHDOG_EXIT_CODE, Heartbeat
 
 logger = logging.getLogger("sglite.launcher")
@@ -41,6 +45,7 @@ SCHEDULER_ENTRY = "sglite.scheduler.process:run_scheduler_process"
 DETOKENIZER_ENTRY = "sglite.detokenizer:run_detokenizer_process"
 PROGRESS_EVERY_S = 15.0
 STOP_TIMEOUT_S = 5.0
+DEATH_SETTLE_S = 0.5
 LOG_FORMAT = "%(asctime)s %(levelname)s [%(processName)s] %(name)s: %(message)s"
 
 Entry = str | Callable[..., Any]
@@ -94,22 +99,26 @@ def _child_main(
 def death_reason(name: str, code: int | None, server_args: ServerArgs) -> str:
     """The sentence that says why a child process ended while serving."""
     who = describe_process(name)
-    if replica_rank(name) is not None and code == WATCHDOG_EXIT_CODE:
+    if is_scheduler(name) and code == WATCHDOG_EXIT_CODE:
         return (
             f"{who} was stopped by its watchdog: one step ran longer than "
             f"--watchdog-timeout ({server_args.watchdog_timeout:g} s); the server log shows "
             "what it was doing and the stacks of its threads"
         )
+    if code == PEER_LOST_EXIT_CODE:
+        return f"{who} exited: it lost contact with another TP rank (its log line names it)"
     return f"{who} died (exit code {code})"
 
 
 class ProcessGroup:
-    """The scheduler (one per --dp-size replica) and detokenizer processes of one server.
+    """The scheduler (one per --dp-size replica, or per TP rank of this node) and
+    detokenizer (node 0 only) processes of one server.
 
     Every entry is called as `entry(server_args, ipc, ready_conn)` in its child; a
-    scheduler entry also gets `heartbeat=` its replica's heartbeat (shared memory: when its
-    current step started), which the main process reads for /health, and with --dp-size > 1
-    `dp_rank=` its replica index and an `ipc` whose scheduler_input is its own.
+    scheduler entry also gets `heartbeat=` its own heartbeat (shared memory: when its
+    current step started), which the main process reads for /health, with --dp-size > 1
+    `dp_rank=` its replica index and an `ipc` whose scheduler_input is its own, with
+    --tp-size > 1 `tp_rank=` its rank.
     """
 
     def __init__(
@@ -122,30 +131,34 @@ class ProcessGroup:
     ):
         self.server_args = server_args
         self.ipc = ipc
-        dp = server_args.dp_size
-        self.entries: dict[str, Entry] = {
-            replica_name(rank, dp): scheduler_entry for rank in range(dp)
-        }
-        self.entries["detokenizer"] = detokenizer_entry
+        a = server_args
+        self.schedulers = scheduler_names(a.dp_size, a.node_tp_ranks, a.tp_size)
+        self.entries: dict[str, Entry] = dict.fromkeys(self.schedulers, scheduler_entry)
+        if a.node_rank == 0:
+            self.entries["detokenizer"] = detokenizer_entry
         self.procs: dict[str, Any] = {}
         self._conns: dict[str, Any] = {}
         self._stopping = threading.Event()
-        self.heartbeats = [Heartbeat.shared() for _ in range(dp)]
-        self.heartbeat: Any = self.heartbeats[0] if dp == 1 else HeartbeatGroup(self.heartbeats)
+        self.heartbeats = {name: Heartbeat.shared() for name in self.schedulers}
+        beats = list(self.heartbeats.values())
+        self.heartbeat: Any = beats[0] if len(beats) == 1 else HeartbeatGroup(beats)
         self.infos: dict[str, dict[str, Any]] = {}  # each child's ready info
 
     def _child_args(self, name: str) -> tuple[IpcNames, dict[str, Any]]:
-        rank, dp = replica_rank(name), self.server_args.dp_size
-        if rank is None:
+        if not is_scheduler(name):
             return self.ipc, {}
-        extra: dict[str, Any] = {"heartbeat": self.heartbeats[rank]}
+        extra: dict[str, Any] = {"heartbeat": self.heartbeats[name]}
+        tp_rank, rank, dp = tp_rank_of(name), replica_rank(name), self.server_args.dp_size
+        if tp_rank is not None:
+            extra["tp_rank"] = tp_rank
+            return self.ipc, extra
         if dp > 1:
             extra["dp_rank"] = rank
         return replica_ipc(self.ipc, rank, dp), extra
 
     def start(self) -> dict[str, Any]:
         """Spawn the children; block until all report ready. Returns the (first) scheduler's
-        info."""
+        info (TP rank 0's on node 0)."""
         ctx = mp.get_context("spawn")
         env.apply_openmp_defaults()
         for name, entry in self.entries.items():
@@ -183,7 +196,7 @@ class ProcessGroup:
                         raise StartupError(f"{describe_process(name)} failed to start:\n{error}")
                     infos[name] = msg.info
                     del pending[name]
-                    logger.info("%s ready (%.1f s)", name, time.monotonic() - t0)
+                    logger.info("%s ready (pid %d, %.1f s)", name, proc.pid, time.monotonic() - t0)
                 elif not proc.is_alive():
                     raise StartupError(
                         f"{describe_process(name)} exited with code {proc.exitcode} "
@@ -196,19 +209,21 @@ class ProcessGroup:
                     " and ".join(pending),
                     time.monotonic() - t0,
                 )
-        return infos[replica_name(0, self.server_args.dp_size)]
+        return infos[self.schedulers[0]]
 
     def watch(self, on_death: Callable[[str, int | None], None]) -> None:
         """Call `on_death(name, exitcode)` (from a thread) if a child exits unasked."""
 
         def run() -> None:
             by_sentinel = {p.sentinel: name for name, p in self.procs.items()}
-            ready = wait_any(list(by_sentinel))
+            wait_any(list(by_sentinel))
             if self._stopping.is_set():
                 return
-            name = by_sentinel[ready[0]]
-            self.procs[name].join(0.1)
-            on_death(name, self.procs[name].exitcode)
+            time.sleep(DEATH_SETTLE_S)  # a rank's death soon ends its peers too: see all
+            dead = [n for n, p in self.procs.items() if p.join(0.1) or not p.is_alive()]
+            # the first cause, not a TP rank that exited because it lost that one
+            dead.sort(key=lambda n: self.procs[n].exitcode == PEER_LOST_EXIT_CODE)
+            on_death(dead[0], self.procs[dead[0]].exitcode)
 
         threading.Thread(target=run, name="sglite-child-watch", daemon=True).start()
 

@@ -23,9 +23,6 @@ UNSUPPORTED: dict[str, str] = {
     "--pipeline-parallel-size": "pipeline parallelism",
     "--ep-size": "expert parallelism",
     "--expert-parallel-size": "expert parallelism",
-    "--nnodes": "multi-node serving",
-    "--node-rank": "multi-node serving",
-    "--dist-init-addr": "multi-node serving",
     "--lora-paths": "LoRA adapters",
     "--enable-lora": "LoRA adapters",
     "--max-lora-rank": "LoRA adapters",
@@ -51,10 +48,8 @@ NO_OP_VALUES: dict[str, frozenset[str]] = {
             "--pipeline-parallel-size",
             "--ep-size",
             "--expert-parallel-size",
-            "--nnodes",
         )
     },  # fmt: skip
-    "--node-rank": frozenset({"0"}),
 }
 UNSUPPORTED_PREFIXES: dict[str, str] = {
     "--speculative-": "speculative decoding",

@@ -10,6 +10,11 @@ message) or took longer than `timeout_s` (503). Unconstrained requests never pas
 Compiles are cached by key `(kind, text)`, errors included, in a bounded LRU of futures: a
 second request with the same grammar shares the first one's compile, finished or not. A
 timed-out compile keeps running and lands in the cache, so a retry can find it there.
+
+Under tensor parallelism every rank compiles too (its matchers decide when a request
+finishes), but which requests leave the queue depends on time (a compile done or not yet,
+a deadline passed), so rank 0 decides: `agree` gives every rank rank 0's verdicts, and a
+rank told "ready" waits for its own compile of the same grammar.
 """
 
 from __future__ import annotations
@@ -29,7 +34,8 @@ if TYPE_CHECKING:
 
 NUM_COMPILE_THREADS = 2
 CACHE_SIZE = 256  # compiled grammars kept (least recently used first out)
-IDLE_WAIT_S = 0.005  # the longest an idle scheduler sleeps in wait() before it polls again
+IDLE_WAIT_S = 0.005
+READY = 0  # the verdict of a request whose grammar compiled  # the longest an idle scheduler sleeps in wait() before it polls again
 
 
 @dataclass
@@ -58,8 +64,10 @@ class GrammarQueue:
         num_threads: int = NUM_COMPILE_THREADS,
         cache_size: int = CACHE_SIZE,
         clock: Callable[[], float] = time.monotonic,
+        agree: Callable[[dict], dict] | None = None,
     ):
         self.backend = backend
+        self.agree = agree or (lambda verdicts: verdicts)
         self.timeout_s = timeout_s
         self.num_threads = num_threads
         self.cache_size = cache_size
@@ -84,35 +92,44 @@ class GrammarQueue:
         """(requests whose grammar is ready, in arrival order; requests refused)."""
         if not self._queue:
             return [], []
-        now = self.clock()
+        verdicts = self.agree(self._verdicts(self.clock()))
         ready: list[Req] = []
         refused: list[Refusal] = []
         still: list[_Waiting] = []
         for w in self._queue:
+            verdict = verdicts.get(w.req.rid)
+            if verdict is None:
+                still.append(w)
+            elif verdict[0] == READY:
+                try:
+                    w.req.grammar = self.backend.matcher(w.compiled.result())
+                    ready.append(w.req)
+                except Exception as e:  # rank 0's compile of the same grammar worked
+                    refused.append(Refusal(w.req, 500, f"{w.key[0]}: {e}"))
+            else:
+                refused.append(Refusal(w.req, *verdict))
+        self._queue = still
+        return ready, refused
+
+    def _verdicts(self, now: float) -> dict[str, tuple[int, str]]:
+        """rid -> (READY, "") or (status code, message) for each request that leaves now."""
+        out: dict[str, tuple[int, str]] = {}
+        for w in self._queue:
             if w.compiled.done():
                 error = w.compiled.exception()
                 if error is None:
-                    w.req.grammar = self.backend.matcher(w.compiled.result())
-                    ready.append(w.req)
+                    out[w.req.rid] = (READY, "")
                 elif isinstance(error, GrammarError):
-                    refused.append(Refusal(w.req, 400, str(error)))
+                    out[w.req.rid] = (400, str(error))
                 else:
-                    refused.append(
-                        Refusal(w.req, 500, f"{w.key[0]}: the grammar failed to compile: {error}")
-                    )
+                    out[w.req.rid] = (500, f"{w.key[0]}: the grammar failed to compile: {error}")
             elif now >= w.deadline:
-                refused.append(
-                    Refusal(
-                        w.req,
-                        503,
-                        f"{w.key[0]}: the grammar did not compile within {self.timeout_s:g} s "
-                        "(--grammar-compile-timeout); it is still compiling, retry later",
-                    )
+                out[w.req.rid] = (
+                    503,
+                    f"{w.key[0]}: the grammar did not compile within {self.timeout_s:g} s "
+                    "(--grammar-compile-timeout); it is still compiling, retry later",
                 )
-            else:
-                still.append(w)
-        self._queue = still
-        return ready, refused
+        return out
 
     def remove(self, hit: Callable[[Req], bool]) -> list[Req]:
         """Take the waiting requests that `hit` selects out of the queue (aborts)."""

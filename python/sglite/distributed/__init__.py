@@ -48,6 +48,11 @@ class TPGroup:
         """The smallest `value` of any rank (start-up agreement, e.g. the KV pool size)."""
         raise NotImplementedError
 
+    def broadcast_bytes(self, data: bytes | None) -> bytes:
+        """Rank 0's `data` on every rank (the others pass None), over a CPU (gloo) group of
+        its own, so a thread may call it while another runs the model's collectives."""
+        raise NotImplementedError
+
     def barrier(self) -> None:
         raise NotImplementedError
 
@@ -70,6 +75,9 @@ class NullTPGroup(TPGroup):
     def min_int(self, value: int) -> int:
         return value
 
+    def broadcast_bytes(self, data: bytes | None) -> bytes:
+        return data or b""
+
     def barrier(self) -> None:
         pass
 
@@ -83,8 +91,9 @@ NULL_TP_GROUP = NullTPGroup()
 class TorchTPGroup(TPGroup):
     """A torch.distributed process group of `size` ranks (this process's default group)."""
 
-    def __init__(self, size: int, rank: int, group) -> None:
+    def __init__(self, size: int, rank: int, group, cpu_group=None) -> None:
         self.size, self.rank, self.group = size, rank, group
+        self.cpu_group = cpu_group if cpu_group is not None else group
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         import torch.distributed as dist
@@ -113,6 +122,21 @@ class TorchTPGroup(TPGroup):
         t = torch.tensor([value], dtype=torch.int64, device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
         return int(t.item())
+
+    def broadcast_bytes(self, data: bytes | None) -> bytes:
+        import torch.distributed as dist
+
+        # one collective when there is nothing to say (the common case), two otherwise
+        n = torch.tensor([len(data) if self.rank == 0 and data else 0], dtype=torch.int64)
+        dist.broadcast(n, src=0, group=self.cpu_group)
+        if not n.item():
+            return b""
+        if self.rank == 0:
+            buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        else:
+            buf = torch.empty(int(n.item()), dtype=torch.uint8)
+        dist.broadcast(buf, src=0, group=self.cpu_group)
+        return data if self.rank == 0 else buf.numpy().tobytes()
 
     def barrier(self) -> None:
         import torch.distributed as dist
@@ -173,6 +197,41 @@ def _parse_addr(addr: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+def _rendezvous(host: str, port: int, tp_size: int, tp_rank: int, addr: str, timeout_s: float):
+    """Meet at rank 0's TCPStore; every rank checks in under its own key, so rank 0 can name
+    the ranks that never arrived (RuntimeError after `timeout_s`)."""
+    import time
+
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    try:
+        store = dist.TCPStore(
+            host, port, tp_size, is_master=tp_rank == 0, timeout=timeout, wait_for_workers=False
+        )
+        store.set(f"sglite/joined/{tp_rank}", "1")
+    except (RuntimeError, OSError) as e:
+        where = "listen" if tp_rank == 0 else "reach TP rank 0"
+        raise RuntimeError(
+            f"TP rank {tp_rank}/{tp_size}: could not {where} at {addr} within {timeout_s:g} s "
+            f"({e}); is every node started with the same --dist-init-addr?"
+        ) from e
+    if tp_rank != 0:
+        return store
+    deadline = time.monotonic() + timeout_s
+    missing = list(range(1, tp_size))
+    while missing and time.monotonic() < deadline:
+        missing = [r for r in missing if not store.check([f"sglite/joined/{r}"])]
+        time.sleep(0.05 if missing else 0)
+    if missing:
+        raise RuntimeError(
+            f"TP rank(s) {', '.join(map(str, missing))} of {tp_size} did not join the "
+            f"rendezvous at {addr} within {timeout_s:g} s (--dist-timeout); are they started "
+            "(with --nnodes, every node with its --node-rank and the same --dist-init-addr)?"
+        )
+    return store
+
+
 def init_tp_group(
     tp_size: int,
     tp_rank: int,
@@ -199,20 +258,18 @@ def init_tp_group(
     host, port = _parse_addr(dist_init_addr)
     backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = datetime.timedelta(seconds=timeout_s)
+    store = _rendezvous(host, port, tp_size, tp_rank, dist_init_addr, timeout_s)
     try:
-        store = dist.TCPStore(
-            host, port, tp_size, is_master=tp_rank == 0, timeout=timeout, wait_for_workers=True
-        )
         dist.init_process_group(
             backend, store=store, world_size=tp_size, rank=tp_rank, timeout=timeout
         )
     except (RuntimeError, OSError) as e:  # DistStoreError is a RuntimeError
         raise RuntimeError(
-            f"TP rank {tp_rank}/{tp_size}: the rendezvous at {dist_init_addr} failed within "
-            f"{timeout_s:g} s ({e}); are all {tp_size} ranks started with the same "
-            "--dist-init-addr?"
+            f"TP rank {tp_rank}/{tp_size}: joining the process group at {dist_init_addr} "
+            f"failed within {timeout_s:g} s ({e})"
         ) from e
-    group = TorchTPGroup(tp_size, tp_rank, dist.group.WORLD)
+    cpu_group = dist.new_group(backend="gloo", timeout=timeout)  # for broadcast_bytes
+    group = TorchTPGroup(tp_size, tp_rank, dist.group.WORLD, cpu_group)
     group.barrier()  # every rank is there (and NCCL's communicator is built) before loading
     logger.info(
         "TP rank %d/%d joined the group at %s (%s)", tp_rank, tp_size, dist_init_addr, backend

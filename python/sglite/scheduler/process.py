@@ -4,6 +4,10 @@ It connects PULL to `ipc.scheduler_input`, PUSH to `ipc.detokenizer` (token-id o
 PUSH to `ipc.tokenizer` (control replies). It reports readiness (or the start-up error) once
 over `ready_conn`, and exits when its parent process is gone. Its watchdog (watchdog.py)
 publishes each step's start on the launcher's heartbeat and ends the process if a step hangs.
+
+With --tp-size N there is one such process per TP rank (`tp_rank`): only rank 0 opens the
+sockets; every rank gets rank 0's messages through `TPSync` (tp_sync.py). A rank that loses
+a peer (a collective fails) logs which and exits with PEER_LOST_EXIT_CODE.
 """
 
 from __future__ import annotations
@@ -15,6 +19,13 @@ from typing import Any
 
 from sglite.config import ServerArgs
 from sglite.messages import ReadyMsg
+from sglite.scheduler.tp_sync import (
+    PEER_LOST_EXIT_CODE,
+    TPPeerLost,
+    TPSync,
+    idle_tick_s,
+    is_peer_failure,
+)
 from sglite.scheduler.watchdog import Heartbeat, NullWatchdog, Watchdog
 
 logger = logging.getLogger(__name__)
@@ -31,10 +42,11 @@ def scheduler_for_runner(
     watchdog: NullWatchdog | None = None,
     tokenizer=None,
     dp_rank: int = 0,
+    agree=None,
 ):
     """A Scheduler driving `runner` (its pools, allocator and model) with `args`; no watchdog
     unless one is given (tests and benchmarks drive it in-process). Structured output needs
-    the `tokenizer` (without it, constrained requests are refused)."""
+    the `tokenizer` (without it, constrained requests are refused). `agree`: TPSync.share."""
     import sglite.core
     from sglite.constrained import create_backend
     from sglite.scheduler.model_worker import ModelWorker
@@ -61,13 +73,20 @@ def scheduler_for_runner(
             args.grammar_backend, tokenizer, cfg.vocab_size, cfg.eos_token_ids
         ),
         dp_rank=dp_rank,
+        agree=agree,
     )
 
 
 def build_scheduler(
-    args: ServerArgs, send, send_control, watchdog: NullWatchdog | None = None, dp_rank: int = 0
-) -> tuple[Any, dict[str, Any]]:
-    """Load the model and build a Scheduler over it; returns (scheduler, ready info)."""
+    args: ServerArgs,
+    send,
+    send_control,
+    watchdog: NullWatchdog | None = None,
+    dp_rank: int = 0,
+    tp_rank: int = 0,
+) -> tuple[Any, dict[str, Any], TPSync | None]:
+    """Load the model (this rank's shard) and build a Scheduler over it; returns
+    (scheduler, ready info, the TP sync or None at tp_size 1)."""
     import sglite.core
     from sglite.model_executor.model_runner import ModelRunner
     from sglite.server.tokenizer import tokenizer_for
@@ -75,7 +94,7 @@ def build_scheduler(
     runner = ModelRunner(
         args.model_path,
         dtype=args.dtype,
-        device=args.device,
+        device=_rank_device(args, tp_rank),
         page_size=args.page_size,
         max_total_tokens=args.max_total_tokens,
         mem_fraction_static=args.mem_fraction_static,
@@ -86,7 +105,14 @@ def build_scheduler(
         disable_cuda_graph=args.disable_cuda_graph,
         cuda_graph_max_bs=args.cuda_graph_max_bs,
         trust_remote_code=args.trust_remote_code,
+        tp_size=args.tp_size,
+        tp_rank=tp_rank,
+        dist_init_addr=args.dist_init_addr,
+        dist_timeout=args.dist_timeout,
     )
+    sync = TPSync(runner.tp_group, args.dist_timeout) if args.tp_size > 1 else None
+    if tp_rank > 0:  # only rank 0 publishes (and binds) the KV events
+        args = args.replace(kv_events_config=None)
     tokenizer = tokenizer_for(args, args.tokenizer_path or str(runner.tokenizer_path))
     sched = scheduler_for_runner(
         args,
@@ -97,6 +123,7 @@ def build_scheduler(
         watchdog=watchdog,
         tokenizer=tokenizer,
         dp_rank=dp_rank,
+        agree=sync.share if sync else None,
     )
     cfg = runner.model_config
     info = {
@@ -112,64 +139,96 @@ def build_scheduler(
         "tree_core": sglite.core.describe(),
         "device": str(runner.device),
         "dtype": str(runner.dtype).replace("torch.", ""),
+        "tp_size": args.tp_size,
     }
-    return sched, info
+    return sched, info, sync
+
+
+def _rank_device(args: ServerArgs, tp_rank: int) -> str | None:
+    """TP on CUDA: one GPU per rank, numbered from 0 on each node."""
+    if args.tp_size == 1 or args.device == "cpu":
+        return args.device
+    import torch
+
+    if not torch.cuda.is_available():
+        return args.device
+    return f"cuda:{tp_rank - args.node_tp_ranks[0]}"
 
 
 def run_scheduler_process(
-    args: ServerArgs, ipc, ready_conn, heartbeat: Heartbeat | None = None, dp_rank: int = 0
+    args: ServerArgs,
+    ipc,
+    ready_conn,
+    heartbeat: Heartbeat | None = None,
+    dp_rank: int = 0,
+    tp_rank: int = 0,
 ) -> None:
-    """`dp_rank`: which data-parallel replica this is (--dp-size); its control replies say so."""
+    """`dp_rank`: which data-parallel replica this is (--dp-size); its control replies say so.
+    `tp_rank`: which tensor-parallel rank (--tp-size); only rank 0 talks to the sockets."""
     import zmq
 
     from sglite.ipc import Receiver, Sender
 
     name = "scheduler" if args.dp_size == 1 else f"scheduler dp{dp_rank}"
+    name += f" tp{tp_rank}" if args.tp_size > 1 else ""
     logging.basicConfig(
         level=args.log_level.upper(), format=f"%(asctime)s [{name}] %(levelname)s %(message)s"
     )
     parent = os.getppid()
-    ctx = zmq.Context()
-    to_detok = Sender(ctx, ipc.detokenizer)
-    to_tok = Sender(ctx, ipc.tokenizer)
-    inbox = Receiver(ctx, ipc.scheduler_input)
     watchdog = Watchdog(args.watchdog_timeout, heartbeat=heartbeat)
+    leader = tp_rank == 0
+    if leader:
+        ctx = zmq.Context()
+        to_detok, to_tok = Sender(ctx, ipc.detokenizer), Sender(ctx, ipc.tokenizer)
+        inbox = Receiver(ctx, ipc.scheduler_input)
+
+    def send(msg) -> None:
+        if leader:
+            to_detok.send(msg)
 
     def send_control(msg) -> None:
-        msg.dp_rank = dp_rank
-        to_tok.send(msg)
+        if leader:
+            msg.dp_rank = dp_rank
+            to_tok.send(msg)
 
     try:
-        sched, info = build_scheduler(args, to_detok.send, send_control, watchdog, dp_rank)
+        sched, info, sync = build_scheduler(args, send, send_control, watchdog, dp_rank, tp_rank)
     except Exception as e:  # reported to the launcher, which prints it and exits
-        ready_conn.send(ReadyMsg("scheduler", False, f"{e}\n{traceback.format_exc()}"))
+        ready_conn.send(ReadyMsg(name, False, f"{e}\n{traceback.format_exc()}"))
         return
-    ready_conn.send(ReadyMsg("scheduler", True, info=info))
+    ready_conn.send(ReadyMsg(name, True, info=info))
     watchdog.start()
     logger.info(
         "scheduler ready: %d KV tokens, tree core %s, %s loop",
         info["max_total_tokens"], info["tree_core"]["backend"],
         "normal" if sched.args.disable_overlap_schedule else "overlap",
     )  # fmt: skip
+    # under TP rank 0 must tick while idle (tp_sync.py): it waits at most one idle tick
+    wait_ms = round(idle_tick_s(args.dist_timeout) * 1000) if sync else PARENT_CHECK_MS
 
-    def recv(block: bool) -> list:
+    def recv_local(block: bool) -> list:
         if not block:
             return inbox.recv_nowait()
         while True:
-            first = inbox.recv(timeout_ms=PARENT_CHECK_MS)
+            first = inbox.recv(timeout_ms=wait_ms)
             if first is not None:
                 return [first, *inbox.recv_nowait()]
             if os.getppid() != parent:
                 logger.info("parent process is gone; scheduler exits")
                 raise SystemExit(0)
+            if sync is not None:
+                return []
 
     try:
-        sched.event_loop(recv)
+        sched.event_loop(sync.recv(recv_local) if sync else recv_local)
     except SystemExit:
         pass
-    except Exception:
-        logger.exception("scheduler crashed")
-        raise
+    except Exception as e:
+        if sync is None or not is_peer_failure(e):
+            logger.exception("scheduler crashed")
+            raise
+        logger.error("%s; exiting", e if isinstance(e, TPPeerLost) else sync.lost_message(e))
+        raise SystemExit(PEER_LOST_EXIT_CODE) from None
     finally:
         sched.client.shutdown()
         sched.grammars.shutdown()

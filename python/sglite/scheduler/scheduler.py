@@ -73,6 +73,7 @@ class Scheduler:
         watchdog: NullWatchdog | None = None,
         grammar_backend: GrammarBackend | None = None,
         dp_rank: int = 0,
+        agree: Callable[[Any], Any] | None = None,  # TP: rank 0's value of a timed decision
     ):
         self.args = args
         self.core = core
@@ -99,6 +100,7 @@ class Scheduler:
         self.grammars = GrammarQueue(
             grammar_backend or NullGrammarBackend("this scheduler has no grammar backend"),
             args.grammar_compile_timeout,
+            agree=agree,
         )
         self.running: list[Req] = []
         self.pending: tuple[ScheduleBatch, Launched] | None = None  # overlap: launched, unprocessed
