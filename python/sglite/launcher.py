@@ -100,6 +100,26 @@ class Backend:
         self.ipc.cleanup()
 
 
+def check_tp_size_early(server_args: ServerArgs) -> None:
+    """Refuse a --tp-size that cannot split the model before any rank starts (each rank
+    checks again when it reads the model config; this only reads config.json)."""
+    import json
+    from pathlib import Path
+
+    from sglite.distributed import check_tp_size
+
+    config = Path(server_args.model_path or "") / "config.json"
+    if server_args.tp_size == 1 or not config.is_file():
+        return
+    hf = json.loads(config.read_text())
+    heads, width = hf.get("num_attention_heads"), hf.get("intermediate_size")
+    if isinstance(heads, int) and isinstance(width, int):
+        try:
+            check_tp_size(server_args.tp_size, heads, hf.get("num_key_value_heads") or heads, width)
+        except ValueError as e:
+            raise StartupError(str(e)) from None
+
+
 def with_dist_init_addr(server_args: ServerArgs) -> ServerArgs:
     """--tp-size > 1 on one node without --dist-init-addr: rank 0 listens on a free port."""
     if server_args.tp_size == 1 or server_args.dist_init_addr is not None:
@@ -118,6 +138,7 @@ def start_backend(
 ) -> Backend:
     """Resolve the model, spawn the children and wait until the model is loaded."""
     server_args = with_dist_init_addr(resolve_model(server_args))
+    check_tp_size_early(server_args)
     ipc = IpcNames.allocate()
     procs = ProcessGroup(
         server_args, ipc, scheduler_entry=scheduler_entry, detokenizer_entry=detokenizer_entry
@@ -248,6 +269,7 @@ def serve_node(server_args: ServerArgs, *, scheduler_entry: Entry = SCHEDULER_EN
     """Node k > 0 of a multi-node TP server: run this node's ranks until one of them ends
     (0 after Ctrl-C / SIGTERM, else 1)."""
     args = resolve_model(server_args)
+    check_tp_size_early(args)
     ranks = args.node_tp_ranks
     logger.info(
         "node %d of %d: starting TP ranks %d..%d of %d; they join TP rank 0 at %s "
