@@ -9,7 +9,8 @@ leaving a port that accepts requests nobody answers.
 
 With `--tp-size N` the scheduler processes are TP ranks; with `--nnodes > 1`, node 0 runs
 the HTTP server and its ranks, and `launch_server` on node k > 0 runs only node k's ranks
-(`serve_node`): no HTTP server; it ends when a rank ends (rank 0 gone takes them all).
+(`serve_node`): no HTTP server; it ends when its ranks end: with code 0 when the TP group
+was stopped (node 0 shut down), 1 when a rank died or lost a peer.
 """
 
 from __future__ import annotations
@@ -283,8 +284,9 @@ def serve_node(server_args: ServerArgs, *, scheduler_entry: Entry = SCHEDULER_EN
 
     def on_death(name: str, code: int | None) -> None:
         nonlocal exit_code
-        exit_code = 1
-        logger.error("%s; node %d stops", death_reason(name, code, args), args.node_rank)
+        exit_code = 0 if code == 0 else 1  # 0: the TP group was stopped (node 0 shut down)
+        log = logger.info if code == 0 else logger.error
+        log("%s; node %d stops", death_reason(name, code, args), args.node_rank)
         ended.set()
 
     try:

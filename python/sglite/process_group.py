@@ -105,6 +105,8 @@ def death_reason(name: str, code: int | None, server_args: ServerArgs) -> str:
             f"--watchdog-timeout ({server_args.watchdog_timeout:g} s); the server log shows "
             "what it was doing and the stacks of its threads"
         )
+    if tp_rank_of(name) is not None and code == 0:
+        return f"{who} stopped with its TP group (SIGTERM or Ctrl-C on one of its nodes)"
     if code == PEER_LOST_EXIT_CODE:
         return f"{who} exited: it lost contact with another TP rank (its log line names it)"
     return f"{who} died (exit code {code})"

@@ -48,9 +48,10 @@ class TPGroup:
         """The smallest `value` of any rank (start-up agreement, e.g. the KV pool size)."""
         raise NotImplementedError
 
-    def broadcast_bytes(self, data: bytes | None) -> bytes:
-        """Rank 0's `data` on every rank (the others pass None), over a CPU (gloo) group of
-        its own, so a thread may call it while another runs the model's collectives."""
+    def broadcast_bytes(self, data: bytes | None, flag: bool = False) -> tuple[bytes, bool]:
+        """(rank 0's `data` on every rank (the others pass None), whether any rank raised
+        `flag`), over a CPU (gloo) group of its own, so a thread may call it while another
+        runs the model's collectives."""
         raise NotImplementedError
 
     def barrier(self) -> None:
@@ -75,8 +76,8 @@ class NullTPGroup(TPGroup):
     def min_int(self, value: int) -> int:
         return value
 
-    def broadcast_bytes(self, data: bytes | None) -> bytes:
-        return data or b""
+    def broadcast_bytes(self, data: bytes | None, flag: bool = False) -> tuple[bytes, bool]:
+        return data or b"", flag
 
     def barrier(self) -> None:
         pass
@@ -123,20 +124,23 @@ class TorchTPGroup(TPGroup):
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
         return int(t.item())
 
-    def broadcast_bytes(self, data: bytes | None) -> bytes:
+    def broadcast_bytes(self, data: bytes | None, flag: bool = False) -> tuple[bytes, bool]:
         import torch.distributed as dist
 
-        # one collective when there is nothing to say (the common case), two otherwise
-        n = torch.tensor([len(data) if self.rank == 0 and data else 0], dtype=torch.int64)
-        dist.broadcast(n, src=0, group=self.cpu_group)
-        if not n.item():
-            return b""
+        # one collective when there is nothing to say (the common case), two otherwise: a
+        # sum of (rank 0's length, the others give 0; the flags), then the bytes
+        size = len(data) if self.rank == 0 and data else 0
+        head = torch.tensor([size, int(flag)], dtype=torch.int64)
+        dist.all_reduce(head, group=self.cpu_group)
+        n, flagged = int(head[0]), bool(head[1])
+        if not n:
+            return b"", flagged
         if self.rank == 0:
             buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         else:
-            buf = torch.empty(int(n.item()), dtype=torch.uint8)
+            buf = torch.empty(n, dtype=torch.uint8)
         dist.broadcast(buf, src=0, group=self.cpu_group)
-        return data if self.rank == 0 else buf.numpy().tobytes()
+        return (data if self.rank == 0 else buf.numpy().tobytes()), flagged
 
     def barrier(self) -> None:
         import torch.distributed as dist

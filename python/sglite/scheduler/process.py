@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import traceback
 from typing import Any
 
@@ -203,6 +204,8 @@ def run_scheduler_process(
         info["max_total_tokens"], info["tree_core"]["backend"],
         "normal" if sched.args.disable_overlap_schedule else "overlap",
     )  # fmt: skip
+    if sync is not None:  # stop with the whole TP group, at the next tick (tp_sync.py)
+        signal.signal(signal.SIGTERM, lambda *_: setattr(sync, "stop_requested", True))
     # under TP rank 0 must tick while idle (tp_sync.py): it waits at most one idle tick
     wait_ms = round(idle_tick_s(args.dist_timeout) * 1000) if sync else PARENT_CHECK_MS
 

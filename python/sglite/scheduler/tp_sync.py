@@ -14,6 +14,9 @@ group; an empty tick is a single 8-byte broadcast) and every rank handles that l
   the scheduler decides is a function of the messages and of the sampled tokens, which rank
   0 samples and broadcasts (ModelRunner.sample).
 - Only rank 0 sends: the other ranks' scheduler outputs and control replies go nowhere.
+- Stopping: SIGTERM (or Ctrl-C through the launcher) on any rank only raises its
+  `stop_requested`; the next tick's broadcast tells every rank, and all of them exit with
+  code 0 at that same point (`TPStopped`), so a node's launcher stops the whole group cleanly.
 - A collective that fails (a peer died, or did not answer within --dist-timeout) raises
   `TPPeerLost`, whose message names this rank and the peers it lost; the process logs it
   and exits with PEER_LOST_EXIT_CODE.
@@ -42,6 +45,13 @@ class TPPeerLost(RuntimeError):
     """A collective with the other TP ranks failed; the message names them."""
 
 
+class TPStopped(SystemExit):
+    """A rank was asked to stop: every rank leaves its loop at the same tick (exit code 0)."""
+
+    def __init__(self) -> None:
+        super().__init__(0)
+
+
 def idle_tick_s(dist_timeout: float) -> float:
     """How long rank 0 waits for messages before it broadcasts an empty tick."""
     return min(MAX_IDLE_TICK_S, dist_timeout / 4)
@@ -54,6 +64,7 @@ class TPSync:
         self.group = group
         self.rank, self.size = group.rank, group.size
         self.dist_timeout = dist_timeout
+        self.stop_requested = False  # set from a signal handler; read at the next share()
 
     @property
     def is_leader(self) -> bool:
@@ -64,9 +75,12 @@ class TPSync:
         the same type, whose empty value stands for an empty message)."""
         data = encode(local) if self.is_leader and local else None
         try:
-            out = self.group.broadcast_bytes(data)
+            out, stop = self.group.broadcast_bytes(data, self.stop_requested)
         except RuntimeError as e:
             raise TPPeerLost(self.lost_message(e, peers=[0] if self.rank else None)) from e
+        if stop:
+            logger.info("TP rank %d: the TP group was asked to stop; exiting", self.rank)
+            raise TPStopped
         if self.is_leader:
             return local
         return decode(out) if out else type(local)()
