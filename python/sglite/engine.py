@@ -58,6 +58,11 @@ class Engine:
                 "they must be ServerArgs fields (the CLI flags in snake_case)"
             )
         args = ServerArgs(model_path=model_path, **server_args)
+        if args.node_rank > 0:
+            raise ValueError(
+                "node_rank > 0: the Engine runs on node 0; start node k's TP ranks with "
+                "`python -m sglite.launch_server ... --node-rank k`"
+            )
         setup_logging(args.log_level)
         self._closed = False
         self._backend = start_backend(
