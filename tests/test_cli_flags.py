@@ -153,3 +153,32 @@ def test_tokenizer_options_reach_transformers(monkeypatch):
         ("/m", {"use_fast": False, "trust_remote_code": True}),
         ("/t", {"use_fast": True, "trust_remote_code": False}),
     ]
+
+
+def test_tensor_parallel_flags_parse_as_sglang():
+    args = parse_server_args(
+        "--tp 4 --nnodes 2 --node-rank 1 --dist-init-addr 10.0.0.1:5000 --dist-timeout 30".split()
+    )
+    assert (args.tp_size, args.nnodes, args.node_rank) == (4, 2, 1)
+    assert args.dist_init_addr == "10.0.0.1:5000" and args.dist_timeout == 30
+    assert list(args.node_tp_ranks) == [2, 3]
+    one = parse_server_args(["--nnodes", "1", "--node-rank", "0", "--tp-size", "2"])
+    assert one.dist_init_addr is None and list(one.node_tp_ranks) == [0, 1]
+
+
+@pytest.mark.parametrize(
+    "argv,words",
+    [
+        (["--tp-size", "3", "--nnodes", "2", "--dist-init-addr", "h:1"], "--nnodes: must divide"),
+        (["--tp-size", "2", "--nnodes", "2"], "--dist-init-addr: is required"),
+        (
+            ["--tp-size", "2", "--nnodes", "2", "--node-rank", "2", "--dist-init-addr", "h:1"],
+            "--node-rank: must be in 0..1",
+        ),  # fmt: skip
+        (["--tp-size", "2", "--dist-init-addr", "nohost"], "--dist-init-addr: must be HOST:PORT"),
+        (["--tp-size", "2", "--dp-size", "2"], "--dp-size: cannot be combined with --tp-size"),
+        (["--dist-timeout", "0"], "--dist-timeout"),
+    ],
+)
+def test_bad_tensor_parallel_flags_are_refused_by_name(argv, words, capsys):
+    assert words in _refused(argv, capsys)

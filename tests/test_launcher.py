@@ -155,6 +155,10 @@ def test_help_lists_sglang_flags():
         "--enable-mixed-chunk",
         "--attention-backend",
         "--tp-size",
+        "--nnodes",
+        "--node-rank",
+        "--dist-init-addr",
+        "--dist-timeout",
         "--log-level",
         "--served-model-name",
     ):
