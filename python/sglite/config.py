@@ -113,27 +113,20 @@ class ServerArgs:
     cuda_graph_max_bs: int | None = _f(None, "Largest decode batch captured in a CUDA graph.")
     tp_size: int = _f(
         1,
-        "Tensor-parallel size: N scheduler processes (ranks) that split each layer of the "
-        "model and run every batch together (gloo on CPU, NCCL on CUDA, one GPU per rank). "
-        "It must divide the model's attention heads; start-up names the sizes that work.",
+        "Tensor-parallel ranks: N scheduler processes split every layer (gloo on CPU, NCCL "
+        "on CUDA, one GPU per rank); N must divide the heads (start-up names the sizes).",
     )
-    nnodes: int = _f(
-        1, "Machines the --tp-size ranks are spread over (each runs tp-size/nnodes ranks)."
-    )
+    nnodes: int = _f(1, "Machines the --tp-size ranks are spread over (tp-size/nnodes each).")
     node_rank: int = _f(
-        0,
-        "This machine's index among --nnodes: node 0 runs the HTTP server and TP ranks "
-        "0..tp-size/nnodes-1; node k only its scheduler ranks, which join node 0's.",
+        0, "This machine among --nnodes: 0 runs the HTTP server, node k only its TP ranks."
     )
     dist_init_addr: str | None = _f(
         None,
-        "HOST:PORT where TP rank 0 listens for the other ranks to join (the same on every "
-        "node). Default with --nnodes 1: 127.0.0.1 and a free port.",
+        "HOST:PORT where TP rank 0 listens for the others, the same on every node "
+        "(default with --nnodes 1: 127.0.0.1 and a free port).",
     )
     dist_timeout: float = _f(
-        60.0,
-        "Seconds the TP ranks wait for each other: to join at start-up, and in any one "
-        "collective; a rank that does not arrive in time stops the server with its name.",
+        60.0, "Seconds TP ranks wait for each other (start-up rendezvous, any collective)."
     )
     dp_size: int = _f(
         1,

@@ -231,7 +231,9 @@ def run_scheduler_process(
             logger.exception("scheduler crashed")
             raise
         logger.error("%s; exiting", e if isinstance(e, TPPeerLost) else sync.lost_message(e))
-        raise SystemExit(PEER_LOST_EXIT_CODE) from None
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        os._exit(PEER_LOST_EXIT_CODE)  # now: the worker thread may wait in a dead collective
     finally:
         sched.client.shutdown()
         sched.grammars.shutdown()
