@@ -146,10 +146,12 @@ def test_tp_needs_an_init_address():
         init_tp_group(2, 0, "localhost", torch.device("cpu"))
 
 
-def test_rendezvous_gives_up_after_its_timeout():
+def test_rendezvous_gives_up_after_its_timeout_naming_the_missing_ranks():
     start = time.monotonic()
-    with pytest.raises(RuntimeError, match="rendezvous .* failed within 1.5 s"):
-        init_tp_group(2, 0, f"127.0.0.1:{free_port()}", torch.device("cpu"), timeout_s=1.5)
+    with pytest.raises(RuntimeError, match=r"TP rank\(s\) 1, 2 of 3 did not join .* within 1.5 s"):
+        init_tp_group(3, 0, f"127.0.0.1:{free_port()}", torch.device("cpu"), timeout_s=1.5)
+    with pytest.raises(RuntimeError, match="TP rank 1/2: could not reach TP rank 0 at .* 1.5 s"):
+        init_tp_group(2, 1, f"127.0.0.1:{free_port()}", torch.device("cpu"), timeout_s=1.5)
     assert time.monotonic() - start < 30
 
 

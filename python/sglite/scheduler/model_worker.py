@@ -102,7 +102,10 @@ class ModelWorker(Worker):
             output_lens=np.maximum(fi.seq_lens - fi.prompt_lens, 0).tolist(),
             prompt_ids=[p[0] if p is not None else () for p in fi.penalty_tokens],
             eos_token_ids=self.eos_token_ids,
-            vocab_mask=fill_vocab_mask(fi.vocab_mask, self.vocab_size, r.device),
+            # under TP only rank 0 samples (ModelRunner.sample): the others need no mask
+            vocab_mask=fill_vocab_mask(fi.vocab_mask, self.vocab_size, r.device)
+            if r.tp_rank == 0
+            else None,
         )
         prepared = Prepared(batch, info)
         if fi.logprob_specs:
