@@ -267,8 +267,8 @@ def launch_server(
 
 
 def serve_node(server_args: ServerArgs, *, scheduler_entry: Entry = SCHEDULER_ENTRY) -> int:
-    """Node k > 0 of a multi-node TP server: run this node's ranks until one of them ends
-    (0 after Ctrl-C / SIGTERM, else 1)."""
+    """Node k > 0 of a multi-node TP server: run this node's ranks until they end. Returns 0
+    when the TP group was stopped (here by Ctrl-C / SIGTERM, or by node 0), else 1."""
     args = resolve_model(server_args)
     check_tp_size_early(args)
     ranks = args.node_tp_ranks
