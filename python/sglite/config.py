@@ -25,6 +25,8 @@ DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 TOKENIZER_MODES = ("auto", "slow")
 LOG_REQUESTS_LEVELS = (0, 1, 2, 3)
+HICACHE_WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+HICACHE_STORAGE_BACKENDS = ("none", "file")
 
 
 def _f(default: Any, help: str, **kw: Any) -> Any:
@@ -91,6 +93,32 @@ class ServerArgs:
         "lru", "Prefix-cache eviction order.", choices=EVICTION_POLICIES
     )
     disable_radix_cache: bool = _f(False, "Do not reuse prompt prefixes across requests.")
+    enable_hierarchical_cache: bool = _f(
+        False,
+        "HiCache (alias --enable-hicache): keep a copy of the prefix cache in host memory, so "
+        "KV evicted from the device pool is loaded back instead of recomputed.",
+    )
+    hicache_ratio: float = _f(
+        2.0, "Host KV pool size as a multiple of the device KV pool (tokens); must be > 1."
+    )
+    hicache_size: float = _f(0.0, "Host KV pool size in GB (overrides --hicache-ratio when > 0).")
+    hicache_write_policy: str = _f(
+        "write_through",
+        "When device KV gets its host copy: write_through (when it enters the cache), "
+        "write_through_selective (on its second hit), write_back (when evicted from the device).",
+        choices=HICACHE_WRITE_POLICIES,
+    )
+    hicache_storage_backend: str = _f(
+        "none",
+        "A third tier below host memory: file = KV pages as files in --hicache-storage-dir, "
+        "found again by later servers of the same model.",
+        choices=HICACHE_STORAGE_BACKENDS,
+    )
+    hicache_storage_dir: str | None = _f(
+        None,
+        "Directory of the file tier (default: SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR, else "
+        "/tmp/sglite-hicache).",
+    )
     disable_overlap_schedule: bool | None = _f(
         None,
         "Use the normal loop instead of the overlap loop (CPU work of step N+1 during step N). "
@@ -273,6 +301,15 @@ class ServerArgs:
             parse_kv_events_config(self.kv_events_config)
         except ValueError as e:
             bad("kv_events_config", str(e))
+        if self.enable_hierarchical_cache:
+            if self.disable_radix_cache:
+                bad(
+                    "enable_hierarchical_cache", "needs the radix cache; drop --disable-radix-cache"
+                )
+            if not self.hicache_ratio > 1:
+                bad("hicache_ratio", f"must be > 1 (host pool larger), got {self.hicache_ratio}")
+            if not self.hicache_size >= 0:
+                bad("hicache_size", f"must be >= 0 GB, got {self.hicache_size}")
         if self.stream_interval < 1:
             bad("stream_interval", f"must be >= 1, got {self.stream_interval}")
         if not self.watchdog_timeout > 0:  # NaN too

@@ -61,6 +61,8 @@ def scheduler_for_runner(
             args.grammar_backend, tokenizer, cfg.vocab_size, cfg.eos_token_ids
         ),
         dp_rank=dp_rank,
+        kv_pool=runner.kv_pool,
+        model_id=f"{runner.model_path}|{cfg.architecture}|{cfg.vocab_size}",
     )
 
 
