@@ -102,7 +102,7 @@ def test_same_greedy_tokens_with_host_tier(core, llama_dir, device_only, policy)
     assert got == expected
     stats = sched.stats()
     assert stats["num_load_back_tokens"] > 0
-    assert stats["host_hit_tokens"] == stats["num_load_back_tokens"]
+    assert 0 < stats["host_hit_tokens"] <= stats["num_load_back_tokens"]
     assert stats["hicache_bytes_to_device"] > 0 and stats["hicache_bytes_to_host"] > 0
     assert stats["hicache_host_total_tokens"] == 2 * POOL_TOKENS
     # the host tier serves prompt tokens the device-only server had to recompute

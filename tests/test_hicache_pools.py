@@ -119,3 +119,18 @@ def test_hicache_cli_flags_and_alias():
     for flag in ("--enable-hierarchical-cache", "--hicache-ratio", "--hicache-size",
                  "--hicache-write-policy", "--hicache-storage-backend", "--hicache-storage-dir"):  # fmt: skip
         assert flag in text
+
+
+def test_hicache_metrics_under_sglang_names():
+    from sglite.server.metrics import ServerMetrics
+
+    m = ServerMetrics("m")
+    stats = {"hicache_host_used_tokens": 96, "hicache_host_total_tokens": 512,
+             "num_evicted_tokens": 40, "num_load_back_tokens": 24}  # fmt: skip
+    m.update_from_stats(stats)
+    m.update_from_stats({**stats, "num_evicted_tokens": 50})  # running totals: +10
+    text = m.render().decode()
+    assert 'sglang:hicache_host_used_tokens{model_name="m"} 96.0' in text
+    assert 'sglang:hicache_host_total_tokens{model_name="m"} 512.0' in text
+    assert 'sglang:evicted_tokens_total{model_name="m"} 50.0' in text
+    assert 'sglang:load_back_tokens_total{model_name="m"} 24.0' in text

@@ -43,6 +43,7 @@ class NullTier:
 
     enabled = False
     num_load_back_tokens = 0
+    num_host_hit_tokens = 0
     num_storage_hit_tokens = 0
 
     def __init__(self, cache) -> None:
@@ -64,9 +65,18 @@ class NullTier:
     def stats(self) -> dict[str, float]:
         return {}
 
+    def count_hits(self, req: Req, cached_len: int) -> None:
+        """An admitted request's `cached_len` prompt tokens came from the cache: count the
+        ones its admissions loaded from the host and file tiers (a load whose request was
+        then refused by the budget and admitted later still counts for it)."""
+        host = min(req.loaded_host_len, cached_len)
+        self.num_host_hit_tokens += host
+        self.num_storage_hit_tokens += min(req.loaded_storage_len, cached_len - host)
+        req.loaded_host_len = req.loaded_storage_len = 0
+
     def hit_tokens(self, num_cached_tokens: int) -> dict[str, int]:
         """Prompt tokens served from the cache, by the tier they came from."""
-        host, storage = self.num_load_back_tokens, self.num_storage_hit_tokens
+        host, storage = self.num_host_hit_tokens, self.num_storage_hit_tokens
         return {
             "device_hit_tokens": max(num_cached_tokens - host - storage, 0),
             "host_hit_tokens": host,
@@ -90,7 +100,9 @@ class HiCache(NullTier):
         self.min_hits = MIN_HITS.get(write_policy)  # None: write_back
         self.storage = storage
         self.page_shape = None
-        self.num_load_back_tokens = 0
+        self.num_load_back_tokens = 0  # tokens copied host -> device
+        self.num_storage_load_tokens = 0  # tokens read from the file tier
+        self.num_host_hit_tokens = 0  # of admitted prompts (count_hits)
         self.num_storage_hit_tokens = 0
         self.num_backup_tokens = 0
 
@@ -123,6 +135,7 @@ class HiCache(NullTier):
         key = req.fill_slice(req.match_len, req.match_len + n)
         self._extend_match(req, key, slots, req.host_node)
         self.num_load_back_tokens += n
+        req.loaded_host_len += n
         req.host_hit_len, req.host_slots = 0, None
 
     def _extend_match(self, req: Req, key: np.ndarray, slots: np.ndarray, node: int) -> None:
@@ -180,7 +193,8 @@ class HiCache(NullTier):
         cm.tree.lock(node)
         cm.tree.unlock(req.match_node)
         self._extend_match(req, key[req.match_len :], slots, node)
-        self.num_storage_hit_tokens += n
+        self.num_storage_load_tokens += n
+        req.loaded_storage_len += n
 
     def _page_shape(self) -> tuple[int, ...]:
         dev = self.cache.kv_pool
@@ -232,8 +246,7 @@ class HiCache(NullTier):
             "hicache_host_used_tokens": tree.host_used_size(),
             "hicache_host_total_tokens": tree.host_capacity(),
             "num_load_back_tokens": self.num_load_back_tokens,
-            "num_host_hit_tokens": self.num_load_back_tokens,
-            "num_storage_hit_tokens": self.num_storage_hit_tokens,
+            "num_storage_load_tokens": self.num_storage_load_tokens,
             "num_backup_tokens": self.num_backup_tokens,
             "hicache_bytes_to_host": hp.num_bytes_to_host,
             "hicache_bytes_to_device": hp.num_bytes_to_device,

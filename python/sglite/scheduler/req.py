@@ -55,6 +55,8 @@ class Req:
     host_node: int = 0
     host_slots: Any = None
     storage_hashes: list[str] = field(default_factory=list)  # file tier: page hash chain
+    loaded_host_len: int = 0  # tokens its admissions loaded from the host / file tier
+    loaded_storage_len: int = 0
     # scheduling
     num_retractions: int = 0
     epoch: int = 0  # bumped on retraction: in-flight results of an older epoch are dropped
