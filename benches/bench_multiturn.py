@@ -13,8 +13,8 @@ prefix is evicted before its next turn. Configs:
   the whole working set);
 - host+file: + the file tier in a fresh directory, under a host pool too small for the
   working set (--file-hicache-ratio, default 1.5), so the file tier serves what the host lost.
-The engine runs in-process (ModelRunner + Scheduler, normal loop). Per round it prints the
-prompt tokens served by each tier (hit rate), TTFT mean/p90 (submission to first token, so
+The engine runs in-process (ModelRunner + Scheduler, normal loop), after a short warm-up.
+Per round it prints the prompt tokens served by each tier (hit rate), TTFT mean/p90 (submission to first token, so
 queueing counts), input tokens/s (prompt tokens / round wall time), tokens evicted from the
 device and loaded back, and KV bytes copied each way. Writes one JSON line per (config,
 round) to multiturn.jsonl and a plot of hit rate vs round (multiturn_hit_rate.png, or .svg
@@ -41,8 +41,8 @@ from sglite.model_executor.model_runner import ModelRunner  # noqa: E402
 from sglite.sampling_params import SamplingParams  # noqa: E402
 from sglite.scheduler.process import scheduler_for_runner  # noqa: E402
 
-TINY = dict(hidden_size=256, intermediate_size=512, num_attention_heads=8,
-            num_key_value_heads=4, head_dim=32)  # fmt: skip
+TINY = dict(hidden_size=512, intermediate_size=2048, num_attention_heads=8,
+            num_key_value_heads=4, head_dim=64)  # fmt: skip
 STAT_KEYS = ("num_prompt_tokens_total", "device_hit_tokens", "host_hit_tokens",
              "storage_hit_tokens", "num_evicted_tokens", "num_load_back_tokens",
              "hicache_bytes_to_host", "hicache_bytes_to_device")  # fmt: skip
@@ -107,6 +107,17 @@ def run_config(name, runner, a, pool_tokens, storage_dir) -> list[dict]:
     sched.cache.tier.on_idle()
     sched.cache.flush()  # the next config reuses the runner's allocator
     return rows
+
+
+def warm_up(runner, pool_tokens: int) -> None:
+    """A few requests first, so the first config's first round does not pay for warm-up."""
+    args = ServerArgs(max_total_tokens=pool_tokens, disable_overlap_schedule=True)
+    sched = scheduler_for_runner(args, runner, lambda msg: None)
+    for i in range(4):
+        sp = SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True)
+        sched.add_request(GenerateReq(f"warm{i}", [3 + i] * 64, sp))
+    sched.run_until_idle()
+    sched.cache.flush()
 
 
 def _collector(on_output, answers):
@@ -190,7 +201,7 @@ def _plot_svg(series: dict, ideal: list[float], path: Path) -> Path:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", choices=("tiny", "demo"), default="tiny",
-                   help="tiny: a random 2-layer llama (hidden 256); demo: SmolLM2-135M")  # fmt: skip
+                   help="tiny: a random 2-layer llama (hidden 512); demo: SmolLM2-135M")  # fmt: skip
     p.add_argument("--clients", type=int, default=8)
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--turn", type=int, default=48, help="tokens of each user turn")
@@ -215,6 +226,7 @@ def main() -> None:
         print(f"multiturn: {a.clients} clients x {a.rounds} rounds of {a.turn}+{a.answer} "
               f"tokens; final working set {final} tokens, device pool {pool} "
               f"({final / pool:.1f}x)")  # fmt: skip
+        warm_up(runner, pool)
         print(HEADER)
         rows = []
         for name in a.configs.split(","):
