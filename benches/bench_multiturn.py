@@ -14,9 +14,9 @@ prefix is evicted before its next turn. Configs:
 - host+file: + the file tier in a fresh directory, under a host pool too small for the
   working set (--file-hicache-ratio, default 1.5), so the file tier serves what the host lost.
 The engine runs in-process (ModelRunner + Scheduler, normal loop), after a short warm-up.
-Per round it prints the prompt tokens served by each tier (hit rate), TTFT mean/p90 (submission to first token, so
-queueing counts), input tokens/s (prompt tokens / round wall time), tokens evicted from the
-device and loaded back, and KV bytes copied each way. Writes one JSON line per (config,
+Per round it prints the prompt tokens served by each tier (hit rate), TTFT mean/p90
+(submission to first token, so queueing counts), input tokens/s (prompt tokens / round wall
+time), tokens evicted from the device and loaded back, and KV bytes copied each way. Writes one JSON line per (config,
 round) to multiturn.jsonl and a plot of hit rate vs round (multiturn_hit_rate.png, or .svg
 without matplotlib) to --out-dir. Expected shape: device-only hits collapse as conversations
 grow; with the host tier the hit rate follows about r/(r+1) (r = rounds before this one).
