@@ -3,7 +3,9 @@ configurations and aborts, with every scheduler's cache given a host tier (a ran
 policy and host size) over the ChainWorker's K/V. The ChainWorker's outputs are a pure
 function of the tokens exactly when every slot holds the right K/V, so a wrong backup, a
 load-back into the wrong slots or a host slot reused too early changes some output; the
-tree must publish the right K/V, and the idle invariants (device and host) must hold."""
+tree must publish the right K/V, and the idle invariants (device and host) must hold. KV
+events are recorded too: every event must be consistent with those before it (a block
+loaded back is stored again under its new slots) and the blocks left are the device tree's."""
 
 from __future__ import annotations
 
@@ -16,6 +18,8 @@ import torch
 
 import test_scheduler_fuzz as fuzz
 from fixtures.chain_worker import ChainWorker
+from fixtures.kv_subscriber import apply_events
+from sglite.kv_events.recorder import KvEventRecorder
 from sglite.mem_cache.hicache import HiCache
 from sglite.mem_cache.host_pool import HostKVPool
 
@@ -50,7 +54,11 @@ def test_scheduler_fuzz_with_host_tier(core, seed, monkeypatch):
     real_init = fuzz.Harness.__init__
 
     def init(self, *args, **kwargs):
+        from test_kv_events import Recording
+
         real_init(self, *args, **kwargs)
+        self.sched.cache.events = KvEventRecorder(self.args.page_size)
+        self.sched.kv_publisher = Recording()
         harnesses.append(self)
 
     class HostTierWorker(ChainWorker):
@@ -61,7 +69,10 @@ def test_scheduler_fuzz_with_host_tier(core, seed, monkeypatch):
     monkeypatch.setattr(fuzz.Harness, "__init__", init)
     monkeypatch.setattr(fuzz, "ChainWorker", HostTierWorker)
     result = fuzz.run_case(core, seed)
-    cache = harnesses[0].sched.cache
+    sched = harnesses[0].sched
+    cache = sched.cache
+    held = apply_events(sched.kv_publisher.batches)
+    assert len(held) * cache.page_size == cache.tree.total_size()
     if cache.enabled:
         cache.tier.check_idle()
         cache.tree.sanity_check()
