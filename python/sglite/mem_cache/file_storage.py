@@ -78,7 +78,12 @@ class FileStorage:
         return self.dir / h[:2] / f"{h}.kv"
 
     def contains(self, h: str) -> bool:
-        return h in self.known or self.path(h).exists()
+        if h in self.known:
+            return True
+        if self.path(h).exists():  # written by an earlier server (or another process)
+            self.known.add(h)
+            return True
+        return False
 
     # ---------------------------------------------------------------- writes
     def put(self, h: str, k: torch.Tensor, v: torch.Tensor) -> bool:

@@ -99,7 +99,6 @@ class HiCache(NullTier):
         self.write_policy = write_policy
         self.min_hits = MIN_HITS.get(write_policy)  # None: write_back
         self.storage = storage
-        self.page_shape = None
         self.num_load_back_tokens = 0  # tokens copied host -> device
         self.num_storage_load_tokens = 0  # tokens read from the file tier
         self.num_host_hit_tokens = 0  # of admitted prompts (count_hits)
