@@ -108,6 +108,12 @@ class Req:
         return self.fill_len - 1
 
     @property
+    def hit_len(self) -> int:
+        """What the cache can serve: the device match and its host continuation (HiCache),
+        which prefix-aware policies rank by (as SGLang's num_matched_prefix_tokens)."""
+        return self.match_len + self.host_hit_len
+
+    @property
     def max_new_tokens(self) -> int:
         return self.sampling_params.max_new_tokens
 
