@@ -16,8 +16,6 @@ def ids(arr) -> list[int]:
 
 @pytest.fixture
 def tiers(core):
-    if not hasattr(core.RadixTree, "host_capacity"):
-        pytest.skip(f"the {core.name} tree core has no host tier yet")
     return core
 
 

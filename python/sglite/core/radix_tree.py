@@ -23,8 +23,7 @@ Contract
   deletion (each entry carries the node's version), compacted when stale entries dominate.
 - hit_count: 1 at creation, +1 per insert walking through; priority: max over inserts.
 
-Host tier (`host_slots` > 0; the bookkeeping lives in `radix_tiers.py`, the API and the cache
-manager's side of it in the HiCache section of docs/ARCHITECTURE)
+Host tier (HiCache, `host_slots` > 0; the operations live in `radix_tiers.py`)
 - Each node has a device value (`value`, KV slots) and/or a host value (`host_value`, slots of
   an internal host `PageAllocator(host_slots, page_size)`); at least one. A device-resident
   node's parent is device-resident (or the root), so host-only nodes hang below the device
