@@ -101,6 +101,8 @@ def test_hicache_flags_validate():
         ServerArgs(enable_hierarchical_cache=True, disable_radix_cache=True)
     with pytest.raises(ValueError, match="hicache-ratio"):
         ServerArgs(enable_hierarchical_cache=True, hicache_ratio=0.5)
+    with pytest.raises(ValueError, match="add --enable-hierarchical-cache"):
+        ServerArgs(hicache_storage_backend="file")
     with pytest.raises(ValueError, match="hicache-write-policy"):
         ServerArgs(hicache_write_policy="sometimes")
 

@@ -301,6 +301,11 @@ class ServerArgs:
             parse_kv_events_config(self.kv_events_config)
         except ValueError as e:
             bad("kv_events_config", str(e))
+        if self.hicache_storage_backend != "none" and not self.enable_hierarchical_cache:
+            bad(
+                "hicache_storage_backend",
+                "is a tier below the host tier; add --enable-hierarchical-cache",
+            )
         if self.enable_hierarchical_cache:
             if self.disable_radix_cache:
                 bad(
