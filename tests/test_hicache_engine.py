@@ -169,9 +169,9 @@ def test_host_pool_larger_than_ram_refused(llama_dir):
         build("python", llama_dir, enable_hierarchical_cache=True, hicache_size=1e6)
 
 
-def test_file_tier_survives_restart(llama_dir, tmp_path):
-    if not has_host_tier("python"):
-        pytest.skip("the python tree core has no host tier yet")
+def test_file_tier_survives_restart(core, llama_dir, tmp_path):
+    if not has_host_tier(core.name):
+        pytest.skip(f"the {core.name} tree core has no host tier yet")
     prompt = [random.Random(1).randrange(3, 384) for _ in range(200)]
     params = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
     kwargs = dict(
@@ -180,6 +180,7 @@ def test_file_tier_survives_restart(llama_dir, tmp_path):
         enable_hierarchical_cache=True,
         hicache_storage_backend="file",
         hicache_storage_dir=str(tmp_path),
+        tree_core=core.name,
         log_level="warning",
     )
     with sglite.Engine(**kwargs) as first:
