@@ -31,6 +31,14 @@ def build_parser(prog: str = "sglite serve") -> argparse.ArgumentParser:
         parser.add_argument(
             alias, dest="dp_size", type=int, default=argparse.SUPPRESS, help=argparse.SUPPRESS
         )
+    # SGLang's short spelling of --enable-hierarchical-cache
+    parser.add_argument(
+        "--enable-hicache",
+        dest="enable_hierarchical_cache",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help=argparse.SUPPRESS,
+    )
     return parser
 
 

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from sglite.attention import BACKENDS, default_backend
+from sglite.config_checks import check_hicache, check_tensor_parallel
 from sglite.constrained import GRAMMAR_BACKENDS
 from sglite.kv_events.config import KvEventsConfig, parse_kv_events_config
 from sglite.parsers import REASONING_FORMATS, TOOL_CALL_PARSERS
@@ -26,6 +26,8 @@ DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 TOKENIZER_MODES = ("auto", "slow")
 LOG_REQUESTS_LEVELS = (0, 1, 2, 3)
+HICACHE_WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+HICACHE_STORAGE_BACKENDS = ("none", "file")
 
 
 def _f(default: Any, help: str, **kw: Any) -> Any:
@@ -92,6 +94,32 @@ class ServerArgs:
         "lru", "Prefix-cache eviction order.", choices=EVICTION_POLICIES
     )
     disable_radix_cache: bool = _f(False, "Do not reuse prompt prefixes across requests.")
+    enable_hierarchical_cache: bool = _f(
+        False,
+        "HiCache (alias --enable-hicache): keep a copy of the prefix cache in host memory, so "
+        "KV evicted from the device pool is loaded back instead of recomputed.",
+    )
+    hicache_ratio: float = _f(
+        2.0, "Host KV pool size as a multiple of the device KV pool (tokens); must be > 1."
+    )
+    hicache_size: float = _f(0.0, "Host KV pool size in GB (overrides --hicache-ratio when > 0).")
+    hicache_write_policy: str = _f(
+        "write_through",
+        "When device KV gets its host copy: write_through (when it enters the cache), "
+        "write_through_selective (on its second hit), write_back (when evicted from the device).",
+        choices=HICACHE_WRITE_POLICIES,
+    )
+    hicache_storage_backend: str = _f(
+        "none",
+        "A third tier below host memory: file = KV pages as files in --hicache-storage-dir, "
+        "found again by later servers of the same model.",
+        choices=HICACHE_STORAGE_BACKENDS,
+    )
+    hicache_storage_dir: str | None = _f(
+        None,
+        "Directory of the file tier (default: SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR, else "
+        "/tmp/sglite-hicache).",
+    )
     disable_overlap_schedule: bool | None = _f(
         None,
         "Use the normal loop instead of the overlap loop (CPU work of step N+1 during step N). "
@@ -269,7 +297,7 @@ class ServerArgs:
             bad("context_length", f"must be >= 2, got {self.context_length}")
         if self.dp_size < 1:
             bad("dp_size", f"must be >= 1, got {self.dp_size}")
-        self._check_tensor_parallel(bad)
+        check_tensor_parallel(self, bad)
         if not 0 < self.port < 65536:
             bad("port", f"must be in 1..65535, got {self.port}")
         if not 0 < self.schedule_conservativeness <= 10:
@@ -289,6 +317,7 @@ class ServerArgs:
             parse_kv_events_config(self.kv_events_config)
         except ValueError as e:
             bad("kv_events_config", str(e))
+        check_hicache(self, bad)
         if self.stream_interval < 1:
             bad("stream_interval", f"must be >= 1, got {self.stream_interval}")
         if not self.watchdog_timeout > 0:  # NaN too
@@ -303,28 +332,6 @@ class ServerArgs:
             value = getattr(self, f.name)
             if value is not None and choices and value not in choices:
                 bad(f.name, f"must be one of {', '.join(choices)}, got {value!r}")
-
-    def _check_tensor_parallel(self, bad: Callable[[str, str], None]) -> None:
-        # whether tp_size splits the model is checked where the model config is read
-        if self.tp_size < 1:
-            bad("tp_size", f"must be >= 1, got {self.tp_size}")
-        if self.tp_size > 1 and self.dp_size > 1:
-            bad("dp_size", "cannot be combined with --tp-size > 1 yet; use one of the two")
-        if self.nnodes < 1:
-            bad("nnodes", f"must be >= 1, got {self.nnodes}")
-        if self.tp_size % self.nnodes:
-            bad("nnodes", f"must divide --tp-size {self.tp_size}, got {self.nnodes}")
-        if not 0 <= self.node_rank < self.nnodes:
-            bad("node_rank", f"must be in 0..{self.nnodes - 1} (--nnodes), got {self.node_rank}")
-        if self.nnodes > 1 and self.dist_init_addr is None:
-            bad("dist_init_addr", "is required with --nnodes > 1 (node 0's HOST:PORT)")
-        addr = self.dist_init_addr
-        if addr is not None:
-            host, _, port = addr.rpartition(":")
-            if not host or not port.isdigit() or not 0 < int(port) < 65536:
-                bad("dist_init_addr", f"must be HOST:PORT, got {addr!r}")
-        if not self.dist_timeout > 0:
-            bad("dist_timeout", f"must be > 0 seconds, got {self.dist_timeout}")
 
     # ---------------------------------------------------------------- derived
     @property

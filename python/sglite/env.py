@@ -7,6 +7,7 @@ Nothing else in sglite reads os.environ. Each getter is called at start-up, neve
 | SGL_TREE_CORE   | tree-core backend: python (default), rust, auto               |
 | SGL_CACHE_DIR   | where converted checkpoints (GGUF -> HF folder) are cached     |
 | SGL_LOG_LEVEL   | default log level when no --log-level is given                 |
+| SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR | HiCache file tier directory (SGLang's name) when no --hicache-storage-dir is given |
 
 It also holds the OpenMP settings the model's process starts with unless the user set them
 (`apply_openmp_defaults`, called before the scheduler process is spawned):
@@ -37,6 +38,11 @@ def cache_dir() -> Path:
 
 def log_level() -> str:
     return os.environ.get("SGL_LOG_LEVEL", "info").strip().lower() or "info"
+
+
+def hicache_storage_dir() -> Path:
+    default = Path("/tmp") / "sglite-hicache"
+    return Path(os.environ.get("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR", default))
 
 
 def apply_openmp_defaults() -> list[str]:

@@ -28,8 +28,6 @@ UNSUPPORTED: dict[str, str] = {
     "--max-lora-rank": "LoRA adapters",
     "--max-loras-per-batch": "LoRA adapters",
     "--lora-backend": "LoRA adapters",
-    "--enable-hierarchical-cache": "the hierarchical (host memory) KV cache",
-    "--enable-hicache": "the hierarchical (host memory) KV cache",
     "--enable-torch-compile": "torch.compile",
     "--torch-compile-max-bs": "torch.compile",
     "--is-embedding": "embedding models",

@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 
 EMPTY = np.zeros(0, dtype=np.int64)
+MAX_ID = 2**32 - 2  # token ids and slots are stored as u32 by the Rust core
 
 
 def as_index_array(x: Any, name: str) -> np.ndarray:

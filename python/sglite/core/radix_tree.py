@@ -22,6 +22,21 @@ Contract
   leaf joins the candidates. The candidate set is maintained incrementally: a heap with lazy
   deletion (each entry carries the node's version), compacted when stale entries dominate.
 - hit_count: 1 at creation, +1 per insert walking through; priority: max over inserts.
+
+Host tier (HiCache, `host_slots` > 0; the operations live in `radix_tiers.py`)
+- Each node has a device value (`value`, KV slots) and/or a host value (`host_value`, slots of
+  an internal host `PageAllocator(host_slots, page_size)`); at least one. A device-resident
+  node's parent is device-resident (or the root), so host-only nodes hang below the device
+  part of the tree and their children are host-only.
+- `evictable_size`/`protected_size` count device-resident tokens only; locks count on every
+  node. `match_prefix` stops at the first host-only node; `match_prefix_host` continues.
+- Device eviction takes unlocked device-resident nodes without a device-resident child (in
+  the order above): one with a host value becomes host-only, one without is deleted with its
+  host-only descendants (their host slots are freed). Host eviction takes unlocked host-only
+  nodes without children, in the same order, from a second lazy-deletion heap.
+- `insert` walking into host-only nodes gives them the caller's slots (they become
+  device-resident again); `cached_len` counts only the span that was already on the device.
+- With host_slots == 0 every node is device-resident and all of the above is today's tree.
 """
 
 from __future__ import annotations
@@ -31,25 +46,28 @@ from typing import Any
 
 import numpy as np
 
-from sglite.core._arrays import EMPTY, as_index_array, as_int, as_namespace, as_size
+from sglite.core._arrays import EMPTY, MAX_ID, as_index_array, as_int, as_namespace, as_size
+from sglite.core.page_allocator import PageAllocator
+from sglite.core.radix_inspect import InspectMixin
+from sglite.core.radix_tiers import HostTierMixin
 
 POLICIES = ("lru", "lfu", "fifo", "priority")
-MAX_ID = 2**32 - 2  # token ids and slots are stored as u32 by the Rust core
-NODE_OVERHEAD_BYTES = 200  # rough per-node Python object cost, for memory_bytes()
 
 
 class _Node:
     __slots__ = (
-        "id", "parent", "key", "value", "children", "lock_ref",
-        "access", "creation", "hits", "priority", "version", "ns",
+        "id", "parent", "key", "value", "host_value", "children", "num_device_children",
+        "lock_ref", "access", "creation", "hits", "priority", "version", "ns",
     )  # fmt: skip
 
     def __init__(self, node_id: int, parent: _Node | None, key: np.ndarray, value: np.ndarray):
         self.id = node_id
         self.parent = parent
         self.key = key
-        self.value = value
+        self.value: np.ndarray | None = value  # device slots; None: host-only
+        self.host_value: np.ndarray | None = None  # host slots; None: not backed up
         self.children: dict[Any, _Node] = {}
+        self.num_device_children = 0
         self.lock_ref = 0
         self.access = 0
         self.creation = 0
@@ -59,10 +77,10 @@ class _Node:
         self.ns: str | None = None  # namespace (extra_key); the edge key uses it at the root
 
 
-class RadixTree:
+class RadixTree(HostTierMixin, InspectMixin):
     """Prefix cache index. See the module docstring for the full contract."""
 
-    def __init__(self, page_size: int = 1, eviction_policy: str = "lru"):
+    def __init__(self, page_size: int = 1, eviction_policy: str = "lru", host_slots: int = 0):
         page_size = as_int(page_size, "page_size")
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
@@ -70,8 +88,12 @@ class RadixTree:
             raise ValueError(
                 f"unknown eviction policy {eviction_policy!r}; choose one of: {', '.join(POLICIES)}"
             )
+        host_slots = as_size(host_slots, "host_slots")
+        if host_slots + page_size > MAX_ID + 1:
+            raise ValueError(f"host_slots must be <= {MAX_ID + 1 - page_size}, got {host_slots}")
         self.page_size = page_size
         self.eviction_policy = eviction_policy
+        self.host_slots = host_slots
         self._next_id = 1
         self._reset_state()
 
@@ -86,7 +108,7 @@ class RadixTree:
         node, pos, values = self.root, 0, []
         while pos < len(key):
             child = node.children.get(self._child_key(node, ns, key, pos))
-            if child is None:
+            if child is None or child.value is None:
                 break
             n = self._common_len(child.key, key, pos)
             if n < len(child.key):
@@ -111,7 +133,7 @@ class RadixTree:
         ns = as_namespace(extra_key)
         key = self._page_aligned(tok)
         self._clock += 1
-        node, pos = self.root, 0
+        node, pos, cached_len = self.root, 0, None
         while pos < len(key):
             child = node.children.get(self._child_key(node, ns, key, pos))
             if child is None:
@@ -122,14 +144,18 @@ class RadixTree:
             child.hits += 1
             child.priority = max(child.priority, priority)
             self._touch(child)
+            if child.value is None:  # host-only: it takes the caller's slots
+                cached_len = pos if cached_len is None else cached_len
+                self._set_device_value(child, val[pos : pos + n].copy())
             node, pos = child, pos + n
-        cached_len = pos
+        cached_len = pos if cached_len is None else cached_len
         if pos < len(key):
             leaf = self._new_node(node, key[pos:].copy(), val[pos : len(key)].copy())
             leaf.access = leaf.creation = self._clock
             leaf.priority = priority
             leaf.ns = ns
             node.children[self._child_key(node, ns, key, pos)] = leaf
+            node.num_device_children += 1
             self._evictable += len(leaf.key)
             self._refresh(node)
             self._refresh(leaf)
@@ -155,24 +181,8 @@ class RadixTree:
         self._refresh_after(node, -1)
 
     def evict(self, num_tokens: int) -> np.ndarray:
-        num_tokens = as_size(num_tokens, "num_tokens")
-        freed: list[np.ndarray] = []
-        num_freed = 0
-        while num_freed < num_tokens and self._heap:
-            *_, node_id, version = heapq.heappop(self._heap)
-            node = self._nodes.get(node_id)
-            if node is None or node.version != version or node_id not in self._leaves:
-                continue
-            parent = node.parent
-            assert parent is not None
-            del parent.children[self._child_key(parent, node.ns, node.key, 0)]
-            del self._nodes[node_id]
-            self._leaves.discard(node_id)
-            self._evictable -= len(node.key)
-            freed.append(node.value)
-            num_freed += len(node.value)
-            self._refresh(parent)
-        return np.concatenate(freed) if freed else EMPTY.copy()
+        freed, _, _ = self._evict_device(as_size(num_tokens, "num_tokens"), write_back=False)
+        return freed
 
     def evictable_size(self) -> int:
         return self._evictable
@@ -186,117 +196,15 @@ class RadixTree:
     def node_count(self) -> int:  # not counting the root
         return len(self._nodes) - 1
 
-    def memory_bytes(self) -> int:
-        """Approximate bytes held by the tree (keys, values and per-node overhead)."""
-        return sum(
-            n.key.nbytes + n.value.nbytes + NODE_OVERHEAD_BYTES for n in self._nodes.values()
-        )
-
-    def dfs_weight_order(self, node_ids: Any) -> list[int]:
-        """Positions of `node_ids` in DFS-weight order.
-
-        weight(node) = requests ending at node + weights of its children. Children are visited
-        by descending weight (ties: smaller id first); a node's own requests come after its
-        subtree, in their given order.
-        """
-        ids = [as_int(x, "node_ids[]") for x in node_ids]
-        at_node: dict[int, list[int]] = {}
-        for pos, node_id in enumerate(ids):
-            self._get(node_id)
-            at_node.setdefault(node_id, []).append(pos)
-        weight: dict[int, int] = {}
-        kids: dict[int, list[int]] = {}
-        for node_id, positions in at_node.items():
-            node: _Node | None = self._nodes[node_id]
-            while node is not None:
-                weight[node.id] = weight.get(node.id, 0) + len(positions)
-                node = node.parent
-        for node_id in weight:
-            parent = self._nodes[node_id].parent
-            if parent is not None:
-                kids.setdefault(parent.id, []).append(node_id)
-        order: list[int] = []
-        stack: list[tuple[int, bool]] = [(0, False)]
-        while stack:
-            node_id, expanded = stack.pop()
-            if expanded:
-                order.extend(at_node.get(node_id, ()))
-                continue
-            stack.append((node_id, True))
-            children = sorted(kids.get(node_id, ()), key=lambda c: (-weight[c], c))
-            stack.extend((c, False) for c in reversed(children))
-        return order
-
-    def sanity_check(self) -> None:
-        """Raise RuntimeError on any broken invariant."""
-        evictable = protected = 0
-        leaves: set[int] = set()
-        seen = 0
-        stack = [self.root]
-        while stack:
-            node = stack.pop()
-            seen += 1
-            if self._nodes.get(node.id) is not node:
-                raise RuntimeError(f"node {node.id} is reachable but not registered")
-            child_locks = 0
-            for k, child in node.children.items():
-                if child.parent is not node:
-                    raise RuntimeError(f"node {child.id} has a wrong parent")
-                if self._child_key(node, child.ns, child.key, 0) != k:
-                    raise RuntimeError(f"node {child.id} is filed under a wrong child key")
-                child_locks += child.lock_ref
-                stack.append(child)
-            if node is self.root:
-                continue
-            if len(node.key) == 0 or len(node.key) % self.page_size:
-                raise RuntimeError(f"node {node.id} has a key of {len(node.key)} tokens")
-            if len(node.value) != len(node.key):
-                raise RuntimeError(
-                    f"node {node.id} has {len(node.value)} slots for {len(node.key)} tokens"
-                )
-            if node.lock_ref < child_locks:
-                raise RuntimeError(
-                    f"node {node.id} lock_ref {node.lock_ref} < children's {child_locks}"
-                )
-            if node.lock_ref:
-                protected += len(node.key)
-            else:
-                evictable += len(node.key)
-                if not node.children:
-                    leaves.add(node.id)
-        if seen != len(self._nodes):
-            raise RuntimeError(f"{len(self._nodes) - seen} registered nodes are unreachable")
-        if (evictable, protected) != (self._evictable, self._protected):
-            raise RuntimeError(
-                f"size ledger says evictable={self._evictable} protected={self._protected}, "
-                f"the tree holds {evictable} and {protected}"
-            )
-        if leaves != self._leaves:
-            raise RuntimeError("the evictable-leaf set is out of date")
-        live = {(nid, ver) for *_, nid, ver in self._heap}
-        if any((nid, self._nodes[nid].version) not in live for nid in leaves):
-            raise RuntimeError("an evictable leaf is missing from the eviction order")
-
-    def pretty_print(self) -> str:
-        lines: list[str] = []
-        stack: list[tuple[_Node, int]] = [(self.root, 0)]
-        while stack:
-            node, depth = stack.pop()
-            head = " ".join(str(int(t)) for t in node.key[:10])
-            lines.append(
-                f"{'  ' * depth}[{node.id}] len={len(node.key)} lock={node.lock_ref} {head}"
-            )
-            for child in sorted(node.children.values(), key=lambda c: c.id, reverse=True):
-                stack.append((child, depth + 1))
-        lines.append(f"#tokens: {self.total_size()}")
-        return "\n".join(lines)
-
     # ---------------------------------------------------------------- internals
     def _reset_state(self) -> None:
         self.root = _Node(0, None, EMPTY, EMPTY)
         self._nodes: dict[int, _Node] = {0: self.root}
         self._leaves: set[int] = set()
         self._heap: list[tuple] = []
+        self._host_leaves: set[int] = set()  # unlocked host-only nodes without children
+        self._host_heap: list[tuple] = []
+        self._host = PageAllocator(self.host_slots, self.page_size)
         self._evictable = 0
         self._protected = 0
         self._root_locks = 0
@@ -334,46 +242,60 @@ class RadixTree:
         """Cut `child` after n tokens; the new upper node takes its place. Returns it."""
         parent = child.parent
         assert parent is not None
-        upper = self._new_node(parent, child.key[:n], child.value[:n])
+        value = child.value
+        upper = self._new_node(parent, child.key[:n], None if value is None else value[:n])
         for field in ("lock_ref", "access", "creation", "hits", "priority", "ns"):
             setattr(upper, field, getattr(child, field))
+        if child.host_value is not None:
+            upper.host_value, child.host_value = child.host_value[:n], child.host_value[n:]
+        upper.num_device_children = int(value is not None)
         child_key = self._child_key(parent, child.ns, child.key, 0)
-        child.key, child.value, child.parent = child.key[n:], child.value[n:], upper
+        child.key, child.parent = child.key[n:], upper
+        child.value = None if value is None else value[n:]
         upper.children[self._child_key(upper, child.ns, child.key, 0)] = child
         parent.children[child_key] = upper
         return upper
 
     def _touch(self, node: _Node) -> None:
         node.access = self._clock
-        if node.id in self._leaves:
+        if node.id in self._leaves or node.id in self._host_leaves:
             self._refresh(node)
 
     def _refresh_after(self, node: _Node, delta: int) -> None:
-        """Apply a lock delta on the path from node to the root, then fix node's leaf status."""
+        """Apply a lock delta on the path from node to the root and fix the candidate sets.
+
+        Only device-resident tokens move between the ledgers; an ancestor can be a candidate
+        too (when its children are not device-resident), so each 0 <-> 1 change refreshes."""
         walk: _Node | None = node
         while walk is not None and walk is not self.root:
             before = walk.lock_ref
             walk.lock_ref += delta
-            if before == 0 and walk.lock_ref == 1:
-                self._evictable -= len(walk.key)
-                self._protected += len(walk.key)
-            elif before == 1 and walk.lock_ref == 0:
-                self._protected -= len(walk.key)
-                self._evictable += len(walk.key)
+            if (before == 0) != (walk.lock_ref == 0):
+                size = len(walk.key) if walk.value is not None else 0
+                sign = 1 if before == 0 else -1
+                self._evictable -= sign * size
+                self._protected += sign * size
+                if walk is not node:
+                    self._refresh(walk)
             walk = walk.parent
         self._refresh(node)
 
     def _refresh(self, node: _Node) -> None:
-        """Recompute node's evictable-leaf status and (re)queue it in the eviction order."""
+        """Recompute node's status in both candidate sets and (re)queue it in its order."""
         if node is self.root:
             return
         node.version += 1
-        if node.lock_ref == 0 and not node.children:
-            self._leaves.add(node.id)
-            heapq.heappush(self._heap, (*self._order_key(node), node.id, node.version))
-            self._maybe_compact()
-        else:
-            self._leaves.discard(node.id)
+        unlocked, on_device = node.lock_ref == 0, node.value is not None
+        for candidate, leaves, heap in (
+            (unlocked and on_device and not node.num_device_children, self._leaves, self._heap),
+            (unlocked and not on_device and not node.children, self._host_leaves, self._host_heap),
+        ):
+            if candidate:
+                leaves.add(node.id)
+                heapq.heappush(heap, (*self._order_key(node), node.id, node.version))
+                self._maybe_compact(leaves, heap)
+            else:
+                leaves.discard(node.id)
 
     def _order_key(self, node: _Node) -> tuple[int, ...]:
         p = self.eviction_policy
@@ -385,10 +307,9 @@ class RadixTree:
             return (node.creation,)
         return (node.priority, node.access)
 
-    def _maybe_compact(self) -> None:
-        if len(self._heap) > 2 * len(self._leaves) + 64:
-            self._heap = [
-                (*self._order_key(n), n.id, n.version)
-                for n in (self._nodes[i] for i in self._leaves)
+    def _maybe_compact(self, leaves: set[int], heap: list[tuple]) -> None:
+        if len(heap) > 2 * len(leaves) + 64:
+            heap[:] = [
+                (*self._order_key(n), n.id, n.version) for n in (self._nodes[i] for i in leaves)
             ]
-            heapq.heapify(self._heap)
+            heapq.heapify(heap)

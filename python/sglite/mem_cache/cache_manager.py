@@ -3,7 +3,11 @@
 Contract (who locks, who frees; see scheduler/req.py for the ownership of a row):
 - `match(req)`: match the request's fill ids up to `req.match_limit` (one token is always
   computed, more for prompt log-probs); records match_len/match_node/match_slots on the
-  request, locks nothing. The tree changes only through this class (insert, evict, reset),
+  request (and, with HiCache, host_hit_len/host_node), locks nothing.
+- `load_back(req)` (admission, with `req.match_node` locked): HiCache extends the match from
+  the host and file tiers (device slots allocated, KV copied, the lock moved to the new
+  `match_node`); without HiCache it does nothing. The tier policy lives in `self.tier`
+  (mem_cache/hicache.py): matching, eviction (write_back copies first), backups on insert. The tree changes only through this class (insert, evict, reset),
   each change bumps `version`, and a request whose match is as recent as the tree is not
   matched again.
 - Admission locks `req.match_node` (the PrefillAdder does it while charging the candidate);
@@ -17,7 +21,8 @@ Contract (who locks, who frees; see scheduler/req.py for the ownership of a row)
 - With the radix cache disabled nothing is ever matched or inserted.
 - Every change of the tree's content is told to `events` (sglite.kv_events): the blocks an
   insert added, the slots an eviction freed, a flush.
-Invariant at idle: free + evictable + protected == capacity (`check_idle`).
+Invariant at idle: free + evictable + protected == capacity (`check_idle`); with HiCache also
+host free + used == host capacity (and the core's sanity check: each host slot has one owner).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from __future__ import annotations
 import numpy as np
 
 from sglite.kv_events.recorder import NullKvEventRecorder
+from sglite.mem_cache.hicache import NullTier
 from sglite.scheduler.req import Req
 
 
@@ -37,8 +43,11 @@ class CacheManager:
         page_size: int,
         enabled: bool = True,
         events: NullKvEventRecorder | None = None,
+        kv_pool=None,
     ):
         self.tree = tree
+        self.kv_pool = kv_pool
+        self.tier = NullTier(self)  # HiCache replaces it (mem_cache/hicache.py)
         self.allocator = allocator
         self.req_to_token_pool = req_to_token_pool
         self.page_size = page_size
@@ -63,9 +72,13 @@ class CacheManager:
         if not self.enabled:
             req.match_len, req.match_node, req.match_slots = 0, 0, None
             return 0
-        slots, node = self.tree.match_prefix(req.fill_slice(0, req.match_limit), req.extra_key)
+        slots, node = self.tier.match(req, req.fill_slice(0, req.match_limit))
         req.match_len, req.match_node, req.match_slots = len(slots), node, slots
         return len(slots)
+
+    def load_back(self, req: Req) -> None:
+        if self.enabled:
+            self.tier.load(req)
 
     def lock(self, node: int) -> None:
         self.tree.lock(node)
@@ -121,7 +134,7 @@ class CacheManager:
     def evict_for(self, num_tokens: int) -> None:
         short = num_tokens - self.allocator.available_size()
         if short > 0 and self.enabled:
-            freed = self.tree.evict(short)
+            freed = self.tier.evict(short)
             if len(freed):
                 self.version += 1
                 self.num_evicted_tokens += len(freed)
@@ -159,6 +172,7 @@ class CacheManager:
             self.tree.unlock(req.lock_node)
         req.lock_node = node
         req.cached_len = aligned
+        self.tier.on_insert(req, node, aligned)
 
     def release(self, req: Req, insert: bool) -> None:
         """Give back everything the request holds; with insert, publish its KV first."""
@@ -189,6 +203,7 @@ class CacheManager:
             "kv_used_tokens": cap - free - evictable,
             "kv_usage": (cap - free - evictable) / max(cap, 1),
             "num_evicted_tokens": self.num_evicted_tokens,
+            **self.tier.stats(),
         }
 
     def held_tokens(self, running: list[Req]) -> int:
@@ -218,6 +233,7 @@ class CacheManager:
             if self.tree.protected_size():
                 raise RuntimeError(f"{self.tree.protected_size()} tokens still locked at idle")
             self.tree.sanity_check()
+            self.tier.check_idle()
         if self.req_to_token_pool.available_size() != self.req_to_token_pool.size:
             raise RuntimeError("request rows leaked at idle")
 

@@ -61,14 +61,14 @@ class SchedulePolicy:
             self.cache.match(r)
         deprioritized = self._in_queue_check(queue)
         if policy == "lpm":
-            queue.sort(key=lambda r: (id(r) in deprioritized, -r.match_len))
+            queue.sort(key=lambda r: (id(r) in deprioritized, -r.hit_len))
         elif policy == "dfs-weight":
             order = self.cache.tree.dfs_weight_order([r.match_node for r in queue])
             queue[:] = [queue[i] for i in order]
         elif policy == "hrrn":
 
             def response_ratio(r: Req) -> tuple:
-                uncached = r.fill_len - r.match_len
+                uncached = r.fill_len - r.hit_len
                 waited = processed_tokens - r.wait_since_processed
                 return (id(r) in deprioritized, -(waited / max(uncached, 1)), r.arrival_time)
 
@@ -77,7 +77,7 @@ class SchedulePolicy:
             queue.sort(
                 key=lambda r: (
                     id(r) in deprioritized,
-                    max(1, r.fill_len - r.match_len),
+                    max(1, r.fill_len - r.hit_len),
                     r.arrival_time,
                 )
             )

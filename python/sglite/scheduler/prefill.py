@@ -127,6 +127,7 @@ class PrefillManager:
                     req.cached_tokens = e.start
                     self.counters["num_prompt_tokens_total"] += len(req.input_ids)
                     self.counters["num_cached_tokens_total"] += e.start
+                    self.cache.tier.count_hits(req, e.start)
             req.kv_len = e.end
             if not e.is_last_chunk:
                 self.counters["num_chunks"] += 1

@@ -64,6 +64,7 @@ class PrefillAdder:
         """Try to admit a waiting request whose match is current (`cache.match(req)` since the
         tree last changed); returns the core's verdict for the next one."""
         self.cache.lock(req.match_node)
+        self.cache.load_back(req)  # HiCache: host-hit tokens take device memory, no compute
         admitted, state, granted = self.budget.add_req(
             self.cache.available_and_evictable(),
             req.match_len,

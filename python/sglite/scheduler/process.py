@@ -75,6 +75,8 @@ def scheduler_for_runner(
         ),
         dp_rank=dp_rank,
         agree=agree,
+        kv_pool=runner.kv_pool,
+        model_id=f"{runner.model_path}|{cfg.architecture}|{cfg.vocab_size}",
     )
 
 

@@ -50,6 +50,13 @@ class Req:
     match_node: int = 0
     match_slots: Any = None
     match_version: tuple[int, int] | None = None  # (cache version, fill_len) of that match
+    # HiCache: the host-only continuation of that match (loaded back at admission)
+    host_hit_len: int = 0
+    host_node: int = 0
+    host_slots: Any = None
+    storage_hashes: list[str] = field(default_factory=list)  # file tier: page hash chain
+    loaded_host_len: int = 0  # tokens its admissions loaded from the host / file tier
+    loaded_storage_len: int = 0
     # scheduling
     num_retractions: int = 0
     epoch: int = 0  # bumped on retraction: in-flight results of an older epoch are dropped
@@ -101,6 +108,12 @@ class Req:
         return self.fill_len - 1
 
     @property
+    def hit_len(self) -> int:
+        """What the cache can serve: the device match and its host continuation (HiCache),
+        which prefix-aware policies rank by (as SGLang's num_matched_prefix_tokens)."""
+        return self.match_len + self.host_hit_len
+
+    @property
     def max_new_tokens(self) -> int:
         return self.sampling_params.max_new_tokens
 
@@ -138,6 +151,7 @@ class Req:
         self.lock_node = None
         self.match_len, self.match_node, self.match_slots = 0, 0, None
         self.match_version = None
+        self.host_hit_len, self.host_node, self.host_slots = 0, 0, None
         self.scheduled_outputs = len(self.output_ids)
         self.num_retractions += 1
         self.epoch += 1

@@ -32,7 +32,7 @@ from sglite.config import ServerArgs
 from sglite.constrained import GrammarBackend, NullGrammarBackend
 from sglite.constrained.grammar_queue import GrammarQueue
 from sglite.logprobs import RowLogprobs
-from sglite.mem_cache.cache_manager import CacheManager
+from sglite.mem_cache.factory import build_cache_manager
 from sglite.messages import (
     AbortReq,
     FlushCacheReq,
@@ -74,18 +74,14 @@ class Scheduler:
         grammar_backend: GrammarBackend | None = None,
         dp_rank: int = 0,
         agree: Callable[[Any], Any] | None = None,  # TP: rank 0's value of a timed decision
+        kv_pool=None,
+        model_id: str = "",
     ):
         self.args = args
         self.core = core
-        tree = core.RadixTree(args.page_size, args.radix_eviction_policy)
         recorder, self.kv_publisher = kv_events.create(args.kv_events, args.page_size, dp_rank)
-        self.cache = CacheManager(
-            tree,
-            allocator,
-            req_to_token_pool,
-            args.page_size,
-            not args.disable_radix_cache,
-            recorder,
+        self.cache = build_cache_manager(
+            args, core, allocator, req_to_token_pool, recorder, kv_pool, model_id
         )
         self.policy = SchedulePolicy(args.schedule_policy, self.cache, core, args.random_seed)
         self.client = WorkerClient(worker, overlap=not args.disable_overlap_schedule)
@@ -364,6 +360,7 @@ class Scheduler:
                 self.grammars.wait()
             return
         self.decode.ratio.reset()
+        self.cache.tier.on_idle()  # HiCache: queued file-tier pages reach the disk
         if self.args.debug_invariants:
             self.cache.check_idle()
         if self.ran_since_idle:
@@ -389,6 +386,7 @@ class Scheduler:
             + (self.prefill.chunked_req is not None),
             **self.grammars.stats(),
             "cache_hit_rate": c["num_cached_tokens_total"] / prompt if prompt else 0.0,
+            **self.cache.tier.hit_tokens(c["num_cached_tokens_total"]),
             "waiting_hit_tokens": self.policy.waiting_hit_tokens(self.waiting),
             "new_token_ratio": self.decode.ratio.value,
             "uptime_s": time.monotonic() - self.started_at,

@@ -55,6 +55,22 @@ _GAUGES = {
     "num_used_tokens": ("kv_used_tokens", "The number of used KV-cache tokens."),
     "token_usage": (None, "The token usage (used KV-cache tokens / capacity)."),
     "cache_hit_rate": ("cache_hit_rate", "The prefix-cache hit rate (prompt tokens)."),
+    "hicache_host_used_tokens": (
+        "hicache_host_used_tokens",
+        "The number of tokens in the HiCache host pool.",
+    ),
+    "hicache_host_total_tokens": (
+        "hicache_host_total_tokens",
+        "The capacity of the HiCache host pool in tokens.",
+    ),
+}
+# counter name (prometheus_client appends _total) -> (running total in the stats, help)
+_TOTALS = {
+    "evicted_tokens": ("num_evicted_tokens", "Number of tokens evicted from the device KV pool."),
+    "load_back_tokens": (
+        "num_load_back_tokens",
+        "Number of tokens loaded back from the HiCache host pool to the device.",
+    ),
 }
 
 
@@ -124,6 +140,8 @@ class ServerMetrics(NullMetrics):
             "generation_tokens", "Number of generation tokens processed."
         )
         self.num_requests = counter("num_requests", "Number of requests processed.")
+        self.totals = {name: counter(name, doc) for name, (_, doc) in _TOTALS.items()}
+        self._last_totals = dict.fromkeys(_TOTALS, 0)
         self._recent: deque[tuple[float, int]] = deque()
 
     def on_tokens(self, num_tokens: int, since_last_s: float | None, ttft_s: float | None) -> None:
@@ -156,6 +174,11 @@ class ServerMetrics(NullMetrics):
         for name, (key, _) in _GAUGES.items():
             if key is not None and stats.get(key) is not None:
                 self.gauges[name].set(float(stats[key]))
+        for name, (key, _) in _TOTALS.items():  # the scheduler keeps running totals
+            value = stats.get(key)
+            if value is not None and value > self._last_totals[name]:
+                self.totals[name].inc(value - self._last_totals[name])
+                self._last_totals[name] = value
         total = stats.get("kv_total_tokens") or 0
         if total:
             self.gauges["token_usage"].set(stats.get("kv_used_tokens", 0) / total)

@@ -153,6 +153,20 @@ impl PageAllocator {
         Ok(())
     }
 
+    /// Whether `slot` lies in an allocated page (not free, staged or reserved).
+    pub fn is_allocated(&self, slot: u64) -> bool {
+        let page = slot / self.page_size as u64;
+        usize::try_from(page)
+            .ok()
+            .and_then(|p| self.pages.get(p))
+            .is_some_and(|&p| p == Page::Used)
+    }
+
+    /// Bytes of bookkeeping (the free queue and the page states).
+    pub fn memory_bytes(&self) -> usize {
+        self.free.capacity() * 4 + self.pages.capacity() * std::mem::size_of::<Page>()
+    }
+
     pub fn free_group_begin(&mut self) -> CoreResult<()> {
         if self.staged.is_some() {
             return Err(CoreError::FreeGroup(

@@ -12,6 +12,14 @@
 //!   incrementally. hit_count: 1 at creation, +1 per insert walking through; priority: an insert
 //!   raises every node it walks to max(old, priority).
 //!
+//! Host tier (HiCache; `tiers.rs`, twin of `radix_tiers.py`): with `host_slots` > 0 a node has a
+//! device value and/or a host value (slots of an internal host `PageAllocator`); device-resident
+//! nodes form the top of the tree. The ledgers count device-resident tokens; `match_prefix`
+//! stops at the first host-only node; device eviction takes unlocked device-resident nodes with
+//! no device-resident child; host eviction unlocked host-only nodes without children; `insert`
+//! gives host-only nodes on its path the caller's slots. With `host_slots == 0` none of this
+//! shows.
+//!
 //! Tokens and slots are stored as u32 (8 bytes per cached token with its slot); callers pass
 //! u32, i32 or i64 ids (`CompactId`). An id the tree cannot hold never matches and cannot be
 //! inserted.
@@ -19,11 +27,15 @@
 mod children;
 mod ids;
 mod inspect;
+mod locks;
 mod namespaces;
 mod node;
 mod order;
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_tiers;
+mod tiers;
 
 use children::ChildIndex;
 use ids::common_len;
@@ -34,12 +46,17 @@ pub use order::EvictionPolicy;
 use order::LeafOrder;
 
 use crate::error::{bad, CoreError, CoreResult};
+use crate::PageAllocator;
 
 pub struct RadixTree {
     page_size: usize,
     arena: Arena,
     children: ChildIndex,
     leaves: LeafOrder,
+    /// Host-only nodes that host eviction may take (unlocked, no children).
+    host_leaves: LeafOrder,
+    host: PageAllocator,
+    host_slots: i64,
     namespaces: Namespaces,
     next_id: u64,
     clock: u64,
@@ -52,12 +69,24 @@ pub struct RadixTree {
 
 impl RadixTree {
     pub fn new(page_size: i64, policy: EvictionPolicy) -> CoreResult<Self> {
-        let page_size = crate::check_page_size(page_size)?;
+        Self::with_host(page_size, policy, 0)
+    }
+
+    /// A tree with a host tier of `host_slots` slots (0: none).
+    pub fn with_host(page_size: i64, policy: EvictionPolicy, host_slots: i64) -> CoreResult<Self> {
+        let ps = crate::check_page_size(page_size)?;
+        let max = i64::from(crate::NO_TOKEN) - page_size;
+        if !(0..=max).contains(&host_slots) {
+            return bad(format!("host_slots must be in 0..={max}, got {host_slots}"));
+        }
         Ok(Self {
-            page_size,
+            page_size: ps,
             arena: Arena::new(),
-            children: ChildIndex::new(page_size),
+            children: ChildIndex::new(ps),
             leaves: LeafOrder::new(policy),
+            host_leaves: LeafOrder::new(policy),
+            host: PageAllocator::new(host_slots, page_size)?,
+            host_slots,
             namespaces: Namespaces::new(),
             next_id: 1,
             clock: 0,
@@ -81,6 +110,10 @@ impl RadixTree {
         self.arena = Arena::new();
         self.children.clear();
         self.leaves.clear();
+        self.host_leaves.clear();
+        if let Ok(host) = PageAllocator::new(self.host_slots, self.page_size as i64) {
+            self.host = host;
+        }
         self.namespaces = Namespaces::new();
         self.clock = 0;
         self.evictable = 0;
@@ -99,7 +132,7 @@ impl RadixTree {
         let ns = self.namespaces.lookup(extra_key);
         self.clock += 1;
         let mut path = std::mem::take(&mut self.path);
-        let (last, matched) = self.walk(key, ns, None, &mut path);
+        let (last, matched) = self.walk(key, ns, None, true, &mut path);
         let mut slots = Vec::with_capacity(matched);
         for &slot in &path {
             slots.extend(self.node(slot).value().iter().map(|&v| i64::from(v)));
@@ -131,15 +164,16 @@ impl RadixTree {
         let ns = self.namespaces.lookup(extra_key);
         self.clock += 1;
         let mut path = std::mem::take(&mut self.path);
-        let (mut last, cached_len) = self.walk(key, ns, Some(priority), &mut path);
+        let (mut last, walked) = self.walk(key, ns, Some(priority), false, &mut path);
+        let cached_len = self.take_slots_on_host_only(&path, slots, walked);
         path.clear();
         self.path = path;
-        if cached_len < key.len() {
+        if walked < key.len() {
             // An unknown namespace stops the walk at the root: intern it for the new root child.
             let ns = ns.unwrap_or_else(|| self.namespaces.intern(extra_key));
-            let mut data = Vec::with_capacity(2 * (key.len() - cached_len));
-            data.extend(key[cached_len..].iter().map(|t| t.compact()));
-            data.extend(slots[cached_len..key.len()].iter().map(|s| s.compact()));
+            let mut data = Vec::with_capacity(2 * (key.len() - walked));
+            data.extend(key[walked..].iter().map(|t| t.compact()));
+            data.extend(slots[walked..key.len()].iter().map(|s| s.compact()));
             let mut leaf = Node::new(self.next_id, last, ns, data);
             self.next_id += 1;
             leaf.access = self.clock;
@@ -159,57 +193,11 @@ impl RadixTree {
         Ok((cached_len, self.node(last).id))
     }
 
-    pub fn lock(&mut self, node_id: i64) -> CoreResult<()> {
-        let slot = self.slot(node_id)?;
-        if slot == ROOT {
-            self.root_locks += 1;
-            return Ok(());
-        }
-        self.add_lock(slot, true)
-    }
-
-    pub fn unlock(&mut self, node_id: i64) -> CoreResult<()> {
-        let slot = self.slot(node_id)?;
-        if slot == ROOT {
-            if self.root_locks == 0 {
-                return Err(CoreError::NotLocked(
-                    "unlock of the root, which is not locked".into(),
-                ));
-            }
-            self.root_locks -= 1;
-            return Ok(());
-        }
-        if self.node(slot).lock_ref == 0 {
-            return Err(CoreError::NotLocked(format!(
-                "unlock of node {node_id}, which is not locked"
-            )));
-        }
-        self.add_lock(slot, false)
-    }
-
-    /// Free unlocked leaves in policy order until at least `num_tokens` are freed or none is
-    /// left; returns the freed slots in eviction order.
+    /// Device eviction in policy order until at least `num_tokens` are freed or no candidate is
+    /// left; returns the freed slots in eviction order. A candidate with a host value stays as
+    /// a host-only node; one without is deleted with its host-only descendants.
     pub fn evict(&mut self, num_tokens: usize) -> Vec<i64> {
-        let mut freed = Vec::new();
-        while freed.len() < num_tokens {
-            let Some(id) = self.leaves.pop_first() else {
-                break;
-            };
-            let Some(slot) = self.arena.slot(id) else {
-                continue;
-            };
-            let node = self.node(slot);
-            let (parent, ns, len) = (node.parent, node.ns, node.len());
-            freed.extend(node.value().iter().map(|&v| i64::from(v)));
-            self.children.remove(&mut self.arena.nodes, slot);
-            if parent == ROOT {
-                self.namespaces.release(ns);
-            }
-            self.evictable -= len;
-            self.arena.release(slot);
-            self.refresh(parent);
-        }
-        freed
+        self.evict_device(num_tokens, false).0
     }
 
     pub fn evictable_size(&self) -> usize {
@@ -235,6 +223,8 @@ impl RadixTree {
             + self.arena.memory_bytes()
             + self.children.memory_bytes()
             + self.leaves.memory_bytes()
+            + self.host_leaves.memory_bytes()
+            + self.host.memory_bytes()
             + self.namespaces.memory_bytes()
             + self.path.capacity() * 4
     }
@@ -269,6 +259,7 @@ impl RadixTree {
         key: &[T],
         ns: Option<u32>,
         insert_priority: Option<i64>,
+        stop_at_host: bool,
         path: &mut Vec<u32>,
     ) -> (u32, usize) {
         let Some(ns) = ns else { return (ROOT, 0) };
@@ -289,6 +280,9 @@ impl RadixTree {
                 break;
             };
             let child_node = self.node(child);
+            if stop_at_host && !child_node.on_device {
+                break;
+            }
             let n = common_len(child_node.key(), &key[pos..]) / ps * ps;
             let child = if n < child_node.len() {
                 self.split(child, n)
@@ -304,9 +298,13 @@ impl RadixTree {
     }
 
     fn visit(&mut self, slot: u32, insert_priority: Option<i64>) {
-        let in_leaves = self.node(slot).in_leaves;
+        let (in_leaves, in_host_leaves) =
+            (self.node(slot).in_leaves, self.node(slot).in_host_leaves);
         if in_leaves {
             self.leaves.remove(&self.arena.nodes[slot as usize]);
+        }
+        if in_host_leaves {
+            self.host_leaves.remove(&self.arena.nodes[slot as usize]);
         }
         let clock = self.clock;
         let node = self.node_mut(slot);
@@ -317,6 +315,9 @@ impl RadixTree {
         node.access = clock;
         if in_leaves {
             self.leaves.insert(&self.arena.nodes[slot as usize]);
+        }
+        if in_host_leaves {
+            self.host_leaves.insert(&self.arena.nodes[slot as usize]);
         }
     }
 
@@ -332,6 +333,8 @@ impl RadixTree {
         upper.creation = old.creation;
         upper.hits = old.hits;
         upper.priority = old.priority;
+        upper.on_device = old.on_device;
+        upper.on_host = old.on_host;
         let upper = self.arena.alloc(upper);
         // The upper half has the same parent, namespace and first page: it takes child's edge.
         self.children.replace(&mut self.arena.nodes, child, upper);
@@ -340,56 +343,5 @@ impl RadixTree {
         lower.next_sibling = NIL;
         self.children.add(&mut self.arena.nodes, child);
         upper
-    }
-
-    /// Add (or remove) one lock on the path from `slot` to the root, then fix its leaf status.
-    fn add_lock(&mut self, slot: u32, lock: bool) -> CoreResult<()> {
-        let mut at = slot;
-        while at != ROOT {
-            let node = self.node_mut(at);
-            let (len, before) = (node.len(), node.lock_ref);
-            let after = if lock {
-                before + 1
-            } else {
-                before.checked_sub(1).ok_or_else(|| {
-                    CoreError::Invariant(format!(
-                        "node {} is locked less than its descendants",
-                        node.id
-                    ))
-                })?
-            };
-            node.lock_ref = after;
-            at = node.parent;
-            match (before, after) {
-                (0, 1) => {
-                    self.evictable -= len;
-                    self.protected += len;
-                }
-                (1, 0) => {
-                    self.protected -= len;
-                    self.evictable += len;
-                }
-                _ => {}
-            }
-        }
-        self.refresh(slot);
-        Ok(())
-    }
-
-    /// Recompute whether `slot` is an evictable leaf and update the order.
-    fn refresh(&mut self, slot: u32) {
-        if slot == ROOT {
-            return;
-        }
-        let node = &self.arena.nodes[slot as usize];
-        let evictable_leaf = node.lock_ref == 0 && node.num_children == 0;
-        if evictable_leaf != node.in_leaves {
-            if evictable_leaf {
-                self.leaves.insert(node);
-            } else {
-                self.leaves.remove(node);
-            }
-            self.node_mut(slot).in_leaves = evictable_leaf;
-        }
     }
 }

@@ -46,6 +46,19 @@ fn policy_of(arg: &Arg<'_>) -> PyResult<EvictionPolicy> {
         })
 }
 
+type Triple<'py> = (
+    Bound<'py, PyArray1<i64>>,
+    Bound<'py, PyArray1<i64>>,
+    Bound<'py, PyArray1<i64>>,
+);
+type Copies<'py> = (Bound<'py, PyArray1<i64>>, Bound<'py, PyArray1<i64>>);
+type HostMatch<'py> = (
+    Bound<'py, PyArray1<i64>>,
+    u64,
+    Bound<'py, PyArray1<i64>>,
+    u64,
+);
+
 fn slots_array(py: Python<'_>, slots: Vec<i64>) -> Bound<'_, PyArray1<i64>> {
     PyArray1::from_vec(py, slots)
 }
@@ -53,8 +66,8 @@ fn slots_array(py: Python<'_>, slots: Vec<i64>) -> Bound<'_, PyArray1<i64>> {
 #[pymethods]
 impl PyRadixTree {
     #[new]
-    #[pyo3(signature = (page_size = Arg::Default, eviction_policy = Arg::Default))]
-    fn new(page_size: Arg<'_>, eviction_policy: Arg<'_>) -> PyResult<Self> {
+    #[pyo3(signature = (page_size = Arg::Default, eviction_policy = Arg::Default, host_slots = Arg::Default))]
+    fn new(page_size: Arg<'_>, eviction_policy: Arg<'_>, host_slots: Arg<'_>) -> PyResult<Self> {
         let page_size = page_size.int_or(1, "page_size")?;
         if page_size < 1 {
             return Err(value_error(format!(
@@ -62,7 +75,13 @@ impl PyRadixTree {
             )));
         }
         let policy = policy_of(&eviction_policy)?;
-        let tree = RadixTree::new(page_size, policy).map_err(core_err)?;
+        let host_slots = host_slots.int_or(0, "host_slots")?;
+        if host_slots < 0 {
+            return Err(value_error(format!(
+                "host_slots must be >= 0, got {host_slots}"
+            )));
+        }
+        let tree = RadixTree::with_host(page_size, policy, host_slots).map_err(core_err)?;
         Ok(Self {
             tree,
             scratch_tokens: Vec::new(),
@@ -164,6 +183,88 @@ impl PyRadixTree {
             tree.evict(num_tokens)
         };
         Ok(slots_array(py, freed))
+    }
+
+    /// Like evict, but candidates without a host copy get one first when the host has room:
+    /// (freed device slots, device sources, host destinations); the caller copies src -> dst.
+    fn evict_write_back<'py>(
+        &mut self,
+        py: Python<'py>,
+        num_tokens: &Bound<'py, PyAny>,
+    ) -> PyResult<Triple<'py>> {
+        let num_tokens = usize::try_from(as_size(num_tokens, "num_tokens")?).unwrap_or(usize::MAX);
+        let (freed, src, dst) = self.tree.evict_write_back(num_tokens);
+        Ok((
+            slots_array(py, freed),
+            slots_array(py, src),
+            slots_array(py, dst),
+        ))
+    }
+
+    /// Delete unlocked host-only leaves until num_tokens host tokens are freed; returns them.
+    fn evict_host(&mut self, num_tokens: &Bound<'_, PyAny>) -> PyResult<usize> {
+        let num_tokens = usize::try_from(as_size(num_tokens, "num_tokens")?).unwrap_or(usize::MAX);
+        Ok(self.tree.evict_host(num_tokens))
+    }
+
+    /// (device slots, device node id, host slots, host node id): the device match, then its
+    /// continuation through host-only nodes.
+    #[pyo3(signature = (tokens, extra_key = None))]
+    fn match_prefix_host<'py>(
+        &mut self,
+        py: Python<'py>,
+        tokens: &Bound<'py, PyAny>,
+        extra_key: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<HostMatch<'py>> {
+        let tokens = index_ints(tokens, "tokens")?;
+        let ns = crate::convert::extra_key(extra_key)?;
+        let (device, device_node, host, host_node) =
+            self.tree.match_prefix_host(tokens.as_slice(), ns);
+        Ok((
+            slots_array(py, device),
+            device_node,
+            slots_array(py, host),
+            host_node,
+        ))
+    }
+
+    /// Host copies for the device-resident nodes on root..node with hits >= min_hits:
+    /// (device sources, host destinations); the caller copies src -> dst.
+    fn backup<'py>(
+        &mut self,
+        py: Python<'py>,
+        node_id: &Bound<'py, PyAny>,
+        min_hits: &Bound<'py, PyAny>,
+    ) -> PyResult<Copies<'py>> {
+        let node_id = as_int(node_id, "node_id")?;
+        let min_hits = as_int(min_hits, "min_hits")?;
+        let (src, dst) = self.tree.backup(node_id, min_hits).map_err(core_err)?;
+        Ok((slots_array(py, src), slots_array(py, dst)))
+    }
+
+    /// The host-only chain ending at host_node_id takes device_slots (root first).
+    fn load_back(
+        &mut self,
+        host_node_id: &Bound<'_, PyAny>,
+        device_slots: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let node_id = as_int(host_node_id, "host_node_id")?;
+        let slots = index_ints(device_slots, "device_slots")?;
+        self.tree
+            .load_back(node_id, slots.as_slice())
+            .map_err(core_err)
+    }
+
+    fn host_capacity(&self) -> usize {
+        self.tree.host_capacity()
+    }
+
+    fn host_available_size(&self) -> usize {
+        self.tree.host_available_size()
+    }
+
+    fn host_used_size(&self) -> usize {
+        self.tree.host_used_size()
     }
 
     fn evictable_size(&self) -> usize {

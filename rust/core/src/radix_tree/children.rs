@@ -5,6 +5,8 @@
 //! so a lookup always compares the real page and namespace and hash collisions cost a step,
 //! never a wrong answer. All nodes under one root child share its namespace, so hashing the
 //! namespace at every level is the same as the Python twin's "namespace at the root" key.
+//! The index also keeps each parent's child list (`Node::first_child` and the
+//! `next_child`/`prev_child` links), which `children_of` walks.
 
 use super::node::{Node, NIL};
 use crate::fxhash::{page_hash, FxHashMap};
@@ -55,7 +57,18 @@ impl ChildIndex {
         let old = self.heads.insert(key, child).unwrap_or(NIL);
         nodes[child as usize].next_sibling = old;
         let parent = nodes[child as usize].parent;
-        nodes[parent as usize].num_children += 1;
+        let first = nodes[parent as usize].first_child;
+        if first != NIL {
+            nodes[first as usize].prev_child = child;
+        }
+        let node = &mut nodes[child as usize];
+        node.next_child = first;
+        node.prev_child = NIL;
+        let on_device = node.on_device;
+        let parent = &mut nodes[parent as usize];
+        parent.first_child = child;
+        parent.num_children += 1;
+        parent.num_device_children += u32::from(on_device);
     }
 
     /// Unfile `child` from its parent.
@@ -63,8 +76,40 @@ impl ChildIndex {
         let key = self.bucket_of(nodes, child);
         let next = nodes[child as usize].next_sibling;
         self.relink(nodes, key, child, next);
-        let parent = nodes[child as usize].parent;
-        nodes[parent as usize].num_children -= 1;
+        let node = &nodes[child as usize];
+        let (parent, prev, next, on_device) = (
+            node.parent,
+            node.prev_child,
+            node.next_child,
+            node.on_device,
+        );
+        Self::set_child_link(nodes, parent, prev, next);
+        if next != NIL {
+            nodes[next as usize].prev_child = prev;
+        }
+        let parent = &mut nodes[parent as usize];
+        parent.num_children -= 1;
+        parent.num_device_children -= u32::from(on_device);
+    }
+
+    /// Make `parent`'s list continue after `prev` (NIL: at its head) with `to`.
+    fn set_child_link(nodes: &mut [Node], parent: u32, prev: u32, to: u32) {
+        if prev == NIL {
+            nodes[parent as usize].first_child = to;
+        } else {
+            nodes[prev as usize].next_child = to;
+        }
+    }
+
+    /// The children of `parent`, in no particular order.
+    pub fn children_of(nodes: &[Node], parent: u32) -> Vec<u32> {
+        let mut out = Vec::with_capacity(nodes[parent as usize].num_children as usize);
+        let mut at = nodes[parent as usize].first_child;
+        while at != NIL {
+            out.push(at);
+            at = nodes[at as usize].next_child;
+        }
+        out
     }
 
     /// Put `new` where `old` was filed (same parent, namespace and first page; `old` may have
@@ -73,6 +118,15 @@ impl ChildIndex {
         let key = self.bucket_of(nodes, new);
         nodes[new as usize].next_sibling = nodes[old as usize].next_sibling;
         self.relink(nodes, key, old, new);
+        let old_node = &nodes[old as usize];
+        let (parent, prev, next) = (old_node.parent, old_node.prev_child, old_node.next_child);
+        Self::set_child_link(nodes, parent, prev, new);
+        if next != NIL {
+            nodes[next as usize].prev_child = new;
+        }
+        let node = &mut nodes[new as usize];
+        node.prev_child = prev;
+        node.next_child = next;
     }
 
     /// Make whatever pointed at `target` in bucket `key` point at `to` (NIL drops the link).

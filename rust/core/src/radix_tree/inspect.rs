@@ -2,6 +2,7 @@
 
 use std::cmp::Reverse;
 
+use super::children::ChildIndex;
 use super::node::{NIL, ROOT};
 use super::RadixTree;
 use crate::error::{broken, CoreResult};
@@ -78,18 +79,39 @@ impl RadixTree {
             }
         }
         let (mut evictable, mut protected, mut leaves, mut seen) = (0, 0, 0, 0);
+        let (mut host_leaves, mut host_slots) = (0, Vec::new());
         let mut root_children_per_ns = vec![0u32; self.namespaces.refcounts().len()];
         let mut stack = vec![ROOT];
         while let Some(slot) = stack.pop() {
             seen += 1;
             let node = &nodes[slot as usize];
             let children = kids.get(&slot).map_or(&[][..], Vec::as_slice);
-            if node.num_children as usize != children.len() {
+            let mut listed = ChildIndex::children_of(nodes, slot);
+            let mut filed = children.to_vec();
+            listed.sort_unstable();
+            filed.sort_unstable();
+            if node.num_children as usize != children.len() || listed != filed {
                 return broken(format!(
                     "node {} counts {} children, has {}",
                     node.id,
                     node.num_children,
                     children.len()
+                ));
+            }
+            let device_children = children
+                .iter()
+                .filter(|&&c| nodes[c as usize].on_device)
+                .count();
+            if node.num_device_children as usize != device_children {
+                return broken(format!(
+                    "node {} counts {} device-resident children, has {device_children}",
+                    node.id, node.num_device_children
+                ));
+            }
+            if device_children > 0 && !node.on_device {
+                return broken(format!(
+                    "a child of node {} is on the device, it is not",
+                    node.id
                 ));
             }
             let mut child_locks = 0u64;
@@ -136,17 +158,28 @@ impl RadixTree {
                     node.id, node.lock_ref
                 ));
             }
-            let evictable_leaf = node.lock_ref == 0 && children.is_empty();
-            if node.lock_ref > 0 {
+            if !node.on_device && !node.on_host {
+                return broken(format!(
+                    "node {} has neither device nor host slots",
+                    node.id
+                ));
+            }
+            host_slots.extend_from_slice(node.host_value());
+            let unlocked = node.lock_ref == 0;
+            let evictable_leaf = unlocked && node.on_device && device_children == 0;
+            let host_leaf = unlocked && !node.on_device && children.is_empty();
+            if node.on_device && node.lock_ref > 0 {
                 protected += node.len();
-            } else {
+            } else if node.on_device {
                 evictable += node.len();
             }
-            if evictable_leaf {
-                leaves += 1;
-            }
+            leaves += usize::from(evictable_leaf);
+            host_leaves += usize::from(host_leaf);
             if evictable_leaf != node.in_leaves || evictable_leaf != self.leaves.contains(node) {
                 return broken("the evictable-leaf set is out of date".into());
+            }
+            if host_leaf != node.in_host_leaves || host_leaf != self.host_leaves.contains(node) {
+                return broken("the host-leaf set is out of date".into());
             }
         }
         if seen != self.arena.live_count() {
@@ -167,6 +200,13 @@ impl RadixTree {
                 self.leaves.len()
             ));
         }
+        if host_leaves != self.host_leaves.len() {
+            return broken(format!(
+                "the host eviction order holds {} entries for {host_leaves} host leaves",
+                self.host_leaves.len()
+            ));
+        }
+        self.check_host_slots(host_slots)?;
         let edges = self.children.count(nodes);
         if edges != seen - 1 {
             return broken(format!(
@@ -188,6 +228,25 @@ impl RadixTree {
         Ok(())
     }
 
+    /// Every allocated host slot is owned by exactly one node, and no free one is.
+    fn check_host_slots(&self, mut owned: Vec<u32>) -> CoreResult<()> {
+        owned.sort_unstable();
+        if owned.windows(2).any(|w| w[0] == w[1]) {
+            return broken("a host slot is owned by two nodes".into());
+        }
+        if owned.len() != self.host_used_size() {
+            return broken(format!(
+                "nodes own {} host slots, the host allocator has {} in use",
+                owned.len(),
+                self.host_used_size()
+            ));
+        }
+        if owned.iter().any(|&s| !self.host.is_allocated(u64::from(s))) {
+            return broken("a node owns a host slot that is free".into());
+        }
+        Ok(())
+    }
+
     /// One line per node, depth-first, children by ascending id, then `#tokens: N`.
     pub fn pretty_print(&self) -> String {
         let nodes = &self.arena.nodes;
@@ -204,8 +263,14 @@ impl RadixTree {
         while let Some((slot, depth)) = stack.pop() {
             let node = &nodes[slot as usize];
             let head: Vec<String> = node.key().iter().take(10).map(u32::to_string).collect();
+            // Only nodes with a host value say so: a tree without a host tier prints as before.
+            let residency = match (node.on_host, node.on_device) {
+                (false, _) => "",
+                (true, true) => " [host]",
+                (true, false) => " [host only]",
+            };
             lines.push(format!(
-                "{}[{}] len={} lock={} {}",
+                "{}[{}] len={} lock={} {}{residency}",
                 "  ".repeat(depth),
                 node.id,
                 node.len(),

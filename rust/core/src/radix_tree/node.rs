@@ -3,7 +3,10 @@
 //! Node ids are public and never reused (root 0, then 1, 2, ... in creation order); arena slots
 //! are private and recycled, so the arena stays as large as the live tree, not its history.
 //! A node's tokens and slot values share one exactly-sized allocation (u32 each, 8 bytes per
-//! cached token): `data = key ++ value`.
+//! cached token): `data = key ++ value ++ host_value`, where the device value is present when
+//! `on_device` and the host value when `on_host` (at least one of them, except for the root).
+//! Each node also links its children in a doubly linked list (`first_child`, `next_child`,
+//! `prev_child`), so a subtree can be walked without scanning the arena.
 
 use crate::fxhash::FxHashMap;
 
@@ -24,8 +27,18 @@ pub(crate) struct Node {
     pub ns: u32,
     pub lock_ref: u32,
     pub num_children: u32,
-    /// Whether the node is in the eviction order (an unlocked leaf).
+    /// Children that are device-resident (a node is a device candidate when it has none).
+    pub num_device_children: u32,
+    pub first_child: u32,
+    pub next_child: u32,
+    pub prev_child: u32,
+    /// Whether the node is in the device eviction order (unlocked, device-resident, no
+    /// device-resident child).
     pub in_leaves: bool,
+    /// Whether the node is in the host eviction order (unlocked, host-only, no children).
+    pub in_host_leaves: bool,
+    pub on_device: bool,
+    pub on_host: bool,
     pub hits: u64,
     pub access: u64,
     pub creation: u64,
@@ -34,7 +47,7 @@ pub(crate) struct Node {
 }
 
 impl Node {
-    /// A node over `data` = key ++ value (equal halves).
+    /// A device-resident node over `data` = key ++ value (equal halves).
     pub fn new(id: u64, parent: u32, ns: u32, data: Vec<u32>) -> Self {
         debug_assert_eq!(data.len() % 2, 0);
         Self {
@@ -44,7 +57,14 @@ impl Node {
             ns,
             lock_ref: 0,
             num_children: 0,
+            num_device_children: 0,
+            first_child: NIL,
+            next_child: NIL,
+            prev_child: NIL,
             in_leaves: false,
+            in_host_leaves: false,
+            on_device: true,
+            on_host: false,
             hits: 1,
             access: 0,
             creation: 0,
@@ -56,6 +76,7 @@ impl Node {
     fn dead() -> Self {
         let mut node = Self::new(DEAD, NIL, 0, Vec::new());
         node.hits = 0;
+        node.on_device = false;
         node
     }
 
@@ -64,8 +85,13 @@ impl Node {
     }
 
     #[inline]
+    fn num_parts(&self) -> usize {
+        1 + usize::from(self.on_device) + usize::from(self.on_host)
+    }
+
+    #[inline]
     pub fn len(&self) -> usize {
-        self.data.len() / 2
+        self.data.len() / self.num_parts()
     }
 
     #[inline]
@@ -73,21 +99,51 @@ impl Node {
         &self.data[..self.len()]
     }
 
+    /// The device slots (empty when host-only).
     #[inline]
     pub fn value(&self) -> &[u32] {
-        &self.data[self.len()..]
+        if self.on_device {
+            let len = self.len();
+            &self.data[len..2 * len]
+        } else {
+            &[]
+        }
     }
 
-    /// Keep tokens [n..] here and return the first n as a new data block (key ++ value).
+    /// The host slots (empty when not backed up).
+    #[inline]
+    pub fn host_value(&self) -> &[u32] {
+        if self.on_host {
+            &self.data[self.data.len() - self.len()..]
+        } else {
+            &[]
+        }
+    }
+
+    /// Rebuild `data` with the given device and host values (None: absent).
+    pub fn set_values(&mut self, value: Option<&[u32]>, host: Option<&[u32]>) {
+        let len = self.len();
+        let mut data = Vec::with_capacity(
+            len * (1 + usize::from(value.is_some()) + usize::from(host.is_some())),
+        );
+        data.extend_from_slice(self.key());
+        data.extend_from_slice(value.unwrap_or_default());
+        data.extend_from_slice(host.unwrap_or_default());
+        self.on_device = value.is_some();
+        self.on_host = host.is_some();
+        self.data = data.into_boxed_slice();
+    }
+
+    /// Keep tokens [n..] here (both values) and return the first n as a new data block in the
+    /// same layout; the new node takes this one's `on_device` / `on_host`.
     pub fn split_off_front(&mut self, n: usize) -> Vec<u32> {
         let len = self.len();
-        let (key, value) = self.data.split_at(len);
-        let mut front = Vec::with_capacity(2 * n);
-        front.extend_from_slice(&key[..n]);
-        front.extend_from_slice(&value[..n]);
-        let mut rest = Vec::with_capacity(2 * (len - n));
-        rest.extend_from_slice(&key[n..]);
-        rest.extend_from_slice(&value[n..]);
+        let mut front = Vec::with_capacity(n * self.num_parts());
+        let mut rest = Vec::with_capacity((len - n) * self.num_parts());
+        for part in self.data.chunks_exact(len) {
+            front.extend_from_slice(&part[..n]);
+            rest.extend_from_slice(&part[n..]);
+        }
         self.data = rest.into_boxed_slice();
         front
     }

@@ -1,0 +1,170 @@
+"""FileStorage: HiCache's third tier, KV pages as files in a directory that outlives the server.
+
+A storage page is `page_len` tokens (a multiple of the KV page size; at least
+`MIN_STORAGE_PAGE_TOKENS`, so a page-size-1 server does not write one file per token). Page i
+of a token sequence is keyed by a hash chain:
+
+    h_0 = sha256(model fingerprint), h_i = sha256(h_{i-1} || page tokens (int64 LE) || namespace)
+
+(hex digests; the namespace is the request's extra_key), so equal pages under different
+prefixes, namespaces or models never share a key. One file per page, `<dir>/<h[:2]>/<h>.kv`,
+holds that page's K and V for every layer (`torch.save` of a header and two tensors
+`[layers, page_len, kv_heads, head_dim]`); the header (format, fingerprint, dtype, shape)
+is checked on every read, so a server with another model or layout never reads wrong data.
+
+Writes run on one background thread behind a bounded queue: `put` never blocks the
+scheduler (a full queue drops the page and counts it). A file appears atomically (written
+to a temporary name, then renamed). Reads are synchronous (`get`), on the scheduler thread.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import queue
+import threading
+from pathlib import Path
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+FORMAT = "sglite-kv-page-1"
+MIN_STORAGE_PAGE_TOKENS = 64
+WRITE_QUEUE_PAGES = 256
+
+
+def storage_page_len(page_size: int) -> int:
+    return max(page_size, -(-MIN_STORAGE_PAGE_TOKENS // page_size) * page_size)
+
+
+def chain_hashes(
+    tokens: np.ndarray, page_len: int, seed: str, extra_key: str | None, prev: list[str]
+) -> list[str]:
+    """Hashes of every whole page of `tokens`, reusing `prev` (hashes of a prefix of them)."""
+    ns = (extra_key or "").encode()
+    out = list(prev)
+    tokens = np.asarray(tokens, dtype="<i8")
+    for i in range(len(out), len(tokens) // page_len):
+        h = hashlib.sha256((out[-1] if out else seed).encode())
+        h.update(tokens[i * page_len : (i + 1) * page_len].tobytes())
+        h.update(ns)
+        out.append(h.hexdigest())
+    return out
+
+
+class FileStorage:
+    def __init__(self, directory: str | os.PathLike, fingerprint: str, page_len: int) -> None:
+        self.dir = Path(directory)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.fingerprint = fingerprint
+        self.seed = hashlib.sha256(fingerprint.encode()).hexdigest()
+        self.page_len = page_len
+        self.num_written_pages = 0
+        self.num_dropped_pages = 0
+        self.num_read_pages = 0
+        self.num_bad_pages = 0
+        self.known: set[str] = set()  # pages written or queued by this process
+        self._queue: queue.Queue = queue.Queue(WRITE_QUEUE_PAGES)
+        self._thread = threading.Thread(target=self._writer, name="hicache-file", daemon=True)
+        self._thread.start()
+
+    def hashes(self, tokens: np.ndarray, extra_key: str | None, prev: list[str]) -> list[str]:
+        return chain_hashes(tokens, self.page_len, self.seed, extra_key, prev)
+
+    def path(self, h: str) -> Path:
+        return self.dir / h[:2] / f"{h}.kv"
+
+    def contains(self, h: str) -> bool:
+        if h in self.known:
+            return True
+        if self.path(h).exists():  # written by an earlier server (or another process)
+            self.known.add(h)
+            return True
+        return False
+
+    # ---------------------------------------------------------------- writes
+    def put(self, h: str, k: torch.Tensor, v: torch.Tensor) -> bool:
+        """Queue one page (`k`, `v`: `[layers, page_len, kv_heads, head_dim]`, CPU copies the
+        caller no longer touches); False when the queue is full (the page is dropped)."""
+        if self.contains(h):
+            return True
+        try:
+            self._queue.put_nowait((h, k, v))
+        except queue.Full:
+            self.num_dropped_pages += 1
+            return False
+        self.known.add(h)
+        return True
+
+    def _writer(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    return
+                self._write(*item)
+            except Exception:  # a full disk must not kill the server: the page is a miss
+                logger.exception("HiCache file tier: writing a page failed")
+                self.known.discard(item[0])
+            finally:
+                self._queue.task_done()
+
+    def _write(self, h: str, k: torch.Tensor, v: torch.Tensor) -> None:
+        path = self.path(h)
+        path.parent.mkdir(exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}.{threading.get_ident()}")
+        header = {
+            "format": FORMAT,
+            "fingerprint": self.fingerprint,
+            "dtype": str(k.dtype),
+            "shape": list(k.shape),
+        }
+        torch.save({"header": header, "k": k.contiguous(), "v": v.contiguous()}, tmp)
+        os.replace(tmp, path)
+        self.num_written_pages += 1
+
+    def flush(self) -> None:
+        """Wait until every queued page is on disk (tests, shutdown)."""
+        self._queue.join()
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=30)
+
+    # ---------------------------------------------------------------- reads
+    def get(self, h: str, dtype: torch.dtype, shape: tuple[int, ...]):
+        """(k, v) of page `h`, or None when it is missing or does not match this server."""
+        try:
+            data = torch.load(self.path(h), map_location="cpu", weights_only=True)
+        except (OSError, RuntimeError, EOFError, ValueError):
+            return None
+        if not isinstance(data, dict):
+            self.num_bad_pages += 1
+            return None
+        header, k, v = data.get("header") or {}, data.get("k"), data.get("v")
+        ok = (
+            isinstance(header, dict)
+            and header.get("format") == FORMAT
+            and header.get("fingerprint") == self.fingerprint
+            and header.get("dtype") == str(dtype)
+            and tuple(header.get("shape", ())) == tuple(shape)
+            and isinstance(k, torch.Tensor)
+            and isinstance(v, torch.Tensor)
+            and tuple(k.shape) == tuple(shape) == tuple(v.shape)
+            and k.dtype == dtype == v.dtype
+        )
+        if not ok:
+            self.num_bad_pages += 1
+            return None
+        self.num_read_pages += 1
+        return k, v
+
+    def lookup(self, hashes: list[str], start: int) -> int:
+        """How many consecutive pages from `start` exist."""
+        n = 0
+        while start + n < len(hashes) and self.contains(hashes[start + n]):
+            n += 1
+        return n

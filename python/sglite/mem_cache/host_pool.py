@@ -1,0 +1,128 @@
+"""HostKVPool: the host-memory copy of the KV cache (HiCache's second tier) and its copies.
+
+Same layout as `KVPool` (per-layer K and V buffers `[host_slots + page_size, kv_heads,
+head_dim]`, page 0 reserved), so a host slot index addresses rows exactly like a device one.
+Which host slot is free is the tree core's business (`RadixTree(host_slots=...)` owns a
+host `PageAllocator`); this class only holds the bytes and moves them.
+
+Copies are explicit gathers/scatters by slot index arrays: `backup(device_idx, host_idx)`
+(device -> host) and `load(host_idx, device_idx)` (host -> device). On CUDA the host buffers
+are pinned and the copies run on a side stream that first waits for the compute stream (so
+the KV it reads is written); a copy is finished before the call returns (`synchronize`), so
+the slots may be used at once. On CPU both pools are RAM, but they are separate buffers and
+the copies are real (`index_select` + `index_copy_`). Bytes moved each way are counted.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from sglite.mem_cache.memory_pool import KVPool
+
+
+class HostKVPool:
+    def __init__(self, device_pool: KVPool, host_slots: int) -> None:
+        ps = device_pool.page_size
+        if host_slots < ps or host_slots % ps:
+            raise ValueError(
+                f"host KV pool of {host_slots} slots is not a positive multiple of page_size {ps}"
+            )
+        self.device_pool = device_pool
+        self.num_slots = host_slots
+        self.page_size = ps
+        self.dtype = device_pool.dtype
+        self.device = device_pool.device
+        pin = self.device.type == "cuda"
+        shape = (host_slots + ps, device_pool.num_kv_heads, device_pool.head_dim)
+
+        def buf() -> torch.Tensor:
+            return torch.zeros(shape, dtype=self.dtype, device="cpu", pin_memory=pin)
+
+        self.k_buffer = [buf() for _ in range(device_pool.num_layers)]
+        self.v_buffer = [buf() for _ in range(device_pool.num_layers)]
+        self.stream = torch.cuda.Stream(self.device) if pin else None
+        self.bytes_per_slot = KVPool.bytes_per_slot(
+            device_pool.num_layers, device_pool.num_kv_heads, device_pool.head_dim, self.dtype
+        )
+        self.num_bytes_to_host = 0
+        self.num_bytes_to_device = 0
+
+    @staticmethod
+    def bytes_for(device_pool: KVPool, host_slots: int) -> int:
+        per_slot = KVPool.bytes_per_slot(
+            device_pool.num_layers, device_pool.num_kv_heads, device_pool.head_dim,
+            device_pool.dtype,
+        )  # fmt: skip
+        return (host_slots + device_pool.page_size) * per_slot
+
+    def memory_bytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.k_buffer + self.v_buffer)
+
+    # ---------------------------------------------------------------- copies
+    def backup(self, device_idx: np.ndarray, host_idx: np.ndarray) -> None:
+        """host[host_idx] = device[device_idx], every layer, K and V."""
+        if len(device_idx) != len(host_idx):
+            raise ValueError(f"backup of {len(device_idx)} slots into {len(host_idx)} host slots")
+        if not len(device_idx):
+            return
+        src = torch.as_tensor(np.asarray(device_idx, dtype=np.int64)).to(self.device)
+        dst = torch.as_tensor(np.asarray(host_idx, dtype=np.int64))
+        dev = self.device_pool
+        with self._on_side_stream():
+            for layer in range(dev.num_layers):
+                k = dev.k_buffer[layer].index_select(0, src).to("cpu", non_blocking=False)
+                v = dev.v_buffer[layer].index_select(0, src).to("cpu", non_blocking=False)
+                self.k_buffer[layer].index_copy_(0, dst, k)
+                self.v_buffer[layer].index_copy_(0, dst, v)
+        self.num_bytes_to_host += len(device_idx) * self.bytes_per_slot
+
+    def load(self, host_idx: np.ndarray, device_idx: np.ndarray) -> None:
+        """device[device_idx] = host[host_idx], every layer, K and V."""
+        if len(device_idx) != len(host_idx):
+            raise ValueError(f"load of {len(host_idx)} host slots into {len(device_idx)} slots")
+        if not len(device_idx):
+            return
+        src = torch.as_tensor(np.asarray(host_idx, dtype=np.int64))
+        dst = torch.as_tensor(np.asarray(device_idx, dtype=np.int64)).to(self.device)
+        dev = self.device_pool
+        with self._on_side_stream():
+            for layer in range(dev.num_layers):
+                k = self.k_buffer[layer].index_select(0, src)
+                v = self.v_buffer[layer].index_select(0, src)
+                if self.stream is not None:
+                    k, v = k.pin_memory(), v.pin_memory()
+                dev.k_buffer[layer].index_copy_(0, dst, k.to(self.device, non_blocking=True))
+                dev.v_buffer[layer].index_copy_(0, dst, v.to(self.device, non_blocking=True))
+        self.num_bytes_to_device += len(device_idx) * self.bytes_per_slot
+
+    def read_pages(self, host_idx: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of `host_idx` as `[layers, len, kv_heads, head_dim]` CPU tensors (copies)."""
+        src = torch.as_tensor(np.asarray(host_idx, dtype=np.int64))
+        k = torch.stack([b.index_select(0, src) for b in self.k_buffer])
+        v = torch.stack([b.index_select(0, src) for b in self.v_buffer])
+        return k, v
+
+    def _on_side_stream(self):
+        return _SideStream(self.stream, self.device)
+
+
+class _SideStream:
+    """Runs the block on `stream` after the compute stream's queued work; waits for it at exit
+    (the copied slots are used right after the call)."""
+
+    def __init__(self, stream, device: torch.device) -> None:
+        self.stream = stream
+        self.device = device
+        self.ctx = None
+
+    def __enter__(self) -> None:
+        if self.stream is not None:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+            self.ctx = torch.cuda.stream(self.stream)
+            self.ctx.__enter__()
+
+    def __exit__(self, *exc) -> None:
+        if self.stream is not None:
+            self.ctx.__exit__(*exc)
+            self.stream.synchronize()
