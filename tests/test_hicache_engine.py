@@ -23,17 +23,8 @@ POOL_TOKENS = 448
 CONVS, ROUNDS, TURN, ANSWER = 8, 5, 32, 8  # final conversation 200 tokens, 8 of them: 1600
 
 
-def has_host_tier(core_name: str) -> bool:
-    import sglite.core
-
-    return hasattr(sglite.core.load(core_name).RadixTree, "match_prefix_host")
-
-
 def build(core_name, model_dir, page_size=1, total_tokens=POOL_TOKENS, overlap=False, **hicache):
     from sglite.model_executor.model_runner import ModelRunner
-
-    if hicache.get("enable_hierarchical_cache") and not has_host_tier(core_name):
-        pytest.skip(f"the {core_name} tree core has no host tier yet")
 
     runner = ModelRunner(
         model_dir,
@@ -170,8 +161,6 @@ def test_host_pool_larger_than_ram_refused(llama_dir):
 
 
 def test_file_tier_survives_restart(core, llama_dir, tmp_path):
-    if not has_host_tier(core.name):
-        pytest.skip(f"the {core.name} tree core has no host tier yet")
     prompt = [random.Random(1).randrange(3, 384) for _ in range(200)]
     params = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
     kwargs = dict(
@@ -192,3 +181,34 @@ def test_file_tier_survives_restart(core, llama_dir, tmp_path):
         b = second.generate(input_ids=prompt, sampling_params=params)
     assert b["output_ids"] == a["output_ids"]
     assert b["meta_info"]["cached_tokens"] >= 128
+
+
+def _engine_conversations(model_dir, **kwargs) -> tuple[list[list[int]], int]:
+    """4 conversations x 4 rounds, sent one request at a time through an Engine; returns the
+    answers and the prompt tokens served from cache."""
+    rng = random.Random(3)
+    histories: list[list[int]] = [[] for _ in range(4)]
+    answers, cached = [], 0
+    params = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+    with sglite.Engine(
+        model_path=str(model_dir), max_total_tokens=256, log_level="warning", **kwargs
+    ) as engine:
+        for _ in range(4):
+            for history in histories:
+                history += [rng.randrange(3, 384) for _ in range(32)]
+                out = engine.generate(input_ids=list(history), sampling_params=params)
+                answers.append(out["output_ids"])
+                cached += out["meta_info"]["cached_tokens"]
+                history += out["output_ids"]
+    return answers, cached
+
+
+def test_tp2_ranks_keep_their_host_tiers_in_step(llama_dir):
+    """Under --tp-size 2 each rank has its own host tier (its shard of the KV); both ranks
+    load back the same chains in the same ticks, so the answers equal tp 1 device-only's."""
+    expected, device_cached = _engine_conversations(llama_dir)
+    got, cached = _engine_conversations(
+        llama_dir, tp_size=2, enable_hierarchical_cache=True, hicache_ratio=4.0
+    )
+    assert got == expected
+    assert cached > device_cached  # host hits the device-only run recomputed
