@@ -51,12 +51,10 @@ class HostTierMixin:
         node = device_node = self.root
         pos, device, host = 0, [], []
         while pos < len(key):
-            child = node.children.get(self._child_key(node, ns, key, pos))
-            if child is None:
+            step = self._step(node, ns, key, pos)
+            if step is None:
                 break
-            n = self._common_len(child.key, key, pos)
-            if n < len(child.key):
-                child = self._split(child, n)
+            child, n = step
             self._touch(child)
             if child.value is not None:  # device-resident nodes come first on any path
                 device.append(child.value)

@@ -107,12 +107,10 @@ class RadixTree(HostTierMixin, InspectMixin):
         self._clock += 1
         node, pos, values = self.root, 0, []
         while pos < len(key):
-            child = node.children.get(self._child_key(node, ns, key, pos))
-            if child is None or child.value is None:
+            step = self._step(node, ns, key, pos, device_only=True)
+            if step is None:
                 break
-            n = self._common_len(child.key, key, pos)
-            if n < len(child.key):
-                child = self._split(child, n)
+            child, n = step
             self._touch(child)
             values.append(child.value)
             node, pos = child, pos + n
@@ -135,12 +133,10 @@ class RadixTree(HostTierMixin, InspectMixin):
         self._clock += 1
         node, pos, cached_len = self.root, 0, None
         while pos < len(key):
-            child = node.children.get(self._child_key(node, ns, key, pos))
-            if child is None:
+            step = self._step(node, ns, key, pos)
+            if step is None:
                 break
-            n = self._common_len(child.key, key, pos)
-            if n < len(child.key):
-                child = self._split(child, n)
+            child, n = step
             child.hits += 1
             child.priority = max(child.priority, priority)
             self._touch(child)
@@ -225,6 +221,17 @@ class RadixTree(HostTierMixin, InspectMixin):
         """Dict key of the child edge starting at key[pos]: its first page (+ namespace at root)."""
         page = int(key[pos]) if self.page_size == 1 else key[pos : pos + self.page_size].tobytes()
         return (ns, page) if parent is self.root else page
+
+    def _step(self, node: _Node, ns: str | None, key: np.ndarray, pos: int, device_only=False):
+        """(child, matched tokens): the child of `node` continuing key[pos:], split where the
+        match ends inside it; None when there is none (with device_only: none on the device)."""
+        child = node.children.get(self._child_key(node, ns, key, pos))
+        if child is None or (device_only and child.value is None):
+            return None
+        n = self._common_len(child.key, key, pos)
+        if n < len(child.key):
+            child = self._split(child, n)
+        return child, n
 
     def _common_len(self, node_key: np.ndarray, key: np.ndarray, pos: int) -> int:
         n = min(len(node_key), len(key) - pos)
