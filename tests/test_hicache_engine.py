@@ -23,12 +23,15 @@ POOL_TOKENS = 448
 CONVS, ROUNDS, TURN, ANSWER = 8, 5, 32, 8  # final conversation 200 tokens, 8 of them: 1600
 
 
-def build(core_name, model_dir, page_size=1, total_tokens=POOL_TOKENS, overlap=False, **hicache):
+def build(
+    core_name, model_dir, page_size=1, total_tokens=POOL_TOKENS, overlap=False, device="cpu",
+    **hicache,
+):  # fmt: skip
     from sglite.model_executor.model_runner import ModelRunner
 
     runner = ModelRunner(
         model_dir,
-        device="cpu",
+        device=device,
         page_size=page_size,
         max_total_tokens=total_tokens,
         max_running_requests=8,
@@ -212,3 +215,19 @@ def test_tp2_ranks_keep_their_host_tiers_in_step(llama_dir):
     )
     assert got == expected
     assert cached > device_cached  # host hits the device-only run recomputed
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
+def test_host_tier_on_cuda_same_tokens(llama_dir, overlap):
+    """Pinned host buffers and side-stream copies: the answers of a device-only run."""
+    base, base_out = build("python", llama_dir, page_size=16, device="cuda", overlap=overlap)
+    expected = run_rounds(base, base_out)
+    sched, outputs = build(
+        "python", llama_dir, page_size=16, device="cuda", overlap=overlap,
+        enable_hierarchical_cache=True, hicache_write_policy="write_back",
+    )  # fmt: skip
+    assert run_rounds(sched, outputs) == expected
+    assert sched.stats()["num_load_back_tokens"] > 0
+    assert sched.cache.tier.host_pool.k_buffer[0].is_pinned()

@@ -14,24 +14,31 @@ from sglite.mem_cache.host_pool import HostKVPool
 from sglite.mem_cache.memory_pool import KVPool
 
 
-def _pool(num_slots=64, page_size=4, layers=3):
-    pool = KVPool(num_slots, page_size, layers, 2, 8, torch.float32, "cpu")
+def _pool(num_slots=64, page_size=4, layers=3, device="cpu"):
+    pool = KVPool(num_slots, page_size, layers, 2, 8, torch.float32, device)
     g = torch.Generator().manual_seed(0)
     for b in pool.k_buffer + pool.v_buffer:
         b.copy_(torch.randn(b.shape, generator=g))
     return pool
 
 
-def test_backup_and_load_copy_exact_bytes_into_separate_buffers():
-    dev = _pool()
+@pytest.mark.parametrize(
+    "device",
+    ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="needs CUDA")])],
+)  # fmt: skip
+def test_backup_and_load_copy_exact_bytes_into_separate_buffers(device):
+    dev = _pool(device=device)
     host = HostKVPool(dev, 128)
+    assert host.k_buffer[0].device.type == "cpu"
+    assert host.k_buffer[0].is_pinned() == (device == "cuda")
     assert host.k_buffer[0].data_ptr() != dev.k_buffer[0].data_ptr()
     src = np.arange(4, 12)
     dst = np.arange(100, 108)
     host.backup(src, dst)
     for layer in range(dev.num_layers):
-        assert torch.equal(host.k_buffer[layer][100:108], dev.k_buffer[layer][4:12])
-        assert torch.equal(host.v_buffer[layer][100:108], dev.v_buffer[layer][4:12])
+        assert torch.equal(host.k_buffer[layer][100:108], dev.k_buffer[layer][4:12].cpu())
+        assert torch.equal(host.v_buffer[layer][100:108], dev.v_buffer[layer][4:12].cpu())
     expected = {layer: dev.k_buffer[layer][4:12].clone() for layer in range(dev.num_layers)}
     for b in dev.k_buffer + dev.v_buffer:  # the device copy is gone (evicted, reused)
         b[4:12] = 0

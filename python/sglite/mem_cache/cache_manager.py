@@ -7,9 +7,9 @@ Contract (who locks, who frees; see scheduler/req.py for the ownership of a row)
 - `load_back(req)` (admission, with `req.match_node` locked): HiCache extends the match from
   the host and file tiers (device slots allocated, KV copied, the lock moved to the new
   `match_node`); without HiCache it does nothing. The tier policy lives in `self.tier`
-  (mem_cache/hicache.py): matching, eviction (write_back copies first), backups on insert. The tree changes only through this class (insert, evict, reset),
-  each change bumps `version`, and a request whose match is as recent as the tree is not
-  matched again.
+  (mem_cache/hicache.py): matching, eviction (write_back copies first), backups on insert.
+- The tree changes only through this class (insert, evict, reset), each change bumps
+  `version`, and a request whose match is as recent as the tree is not matched again.
 - Admission locks `req.match_node` (the PrefillAdder does it while charging the candidate);
   `alloc_extend(entries)` then gives each request a row (if it has none), writes the matched
   prefix into the row and allocates the new positions page-continuing, evicting from the tree
