@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from sglite import env
+from sglite.distributed import split_cpu_threads
 from sglite.model_executor.forward_batch import ForwardBatch
 from sglite.model_executor.model_runner import ModelRunner
 from sglite.model_executor.sampler import SamplingBatchInfo
@@ -203,6 +204,11 @@ def _bench_rank(args: argparse.Namespace, tp_rank: int) -> dict:
     """Build this rank's runner and run the benchmark; rank 0 prints."""
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
+    elif (
+        args.tp_size > 1
+        and (args.device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cpu"
+    ):
+        split_cpu_threads(args.tp_size)  # as the server's CPU ranks do
     need = args.batch_size * (args.input_len + args.output_len + args.page_size)
     runner = ModelRunner(
         args.model_path,

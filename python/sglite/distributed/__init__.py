@@ -154,6 +154,17 @@ class TorchTPGroup(TPGroup):
             dist.destroy_process_group()
 
 
+def split_cpu_threads(ranks_on_node: int) -> int:
+    """CPU TP: give each of this node's ranks its share of the cores (at least one) as its
+    torch threads, instead of every rank starting one thread per core. Returns the count."""
+    import os
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    threads = max(1, (cores or 1) // max(ranks_on_node, 1))
+    torch.set_num_threads(threads)
+    return threads
+
+
 def valid_tp_sizes(num_heads: int, num_kv_heads: int, intermediate_size: int) -> list[int]:
     """The tp sizes that split this model: they divide the attention heads and the MLP
     width, and either divide the KV heads or are a multiple of them (KV heads replicated)."""

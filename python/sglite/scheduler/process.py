@@ -91,13 +91,19 @@ def build_scheduler(
     """Load the model (this rank's shard) and build a Scheduler over it; returns
     (scheduler, ready info, the TP sync or None at tp_size 1)."""
     import sglite.core
+    from sglite.distributed import split_cpu_threads
     from sglite.model_executor.model_runner import ModelRunner
     from sglite.server.tokenizer import tokenizer_for
 
+    device = _rank_device(args, tp_rank)
+    if args.tp_size_per_node > 1 and _on_cpu(device):
+        threads = split_cpu_threads(args.tp_size_per_node)
+        logger.info("TP rank %d: %d CPU thread(s) (cores split over this node's ranks)",
+                    tp_rank, threads)  # fmt: skip
     runner = ModelRunner(
         args.model_path,
         dtype=args.dtype,
-        device=_rank_device(args, tp_rank),
+        device=device,
         page_size=args.page_size,
         max_total_tokens=args.max_total_tokens,
         mem_fraction_static=args.mem_fraction_static,
@@ -145,6 +151,12 @@ def build_scheduler(
         "tp_size": args.tp_size,
     }
     return sched, info, sync
+
+
+def _on_cpu(device: str | None) -> bool:
+    import torch
+
+    return device == "cpu" or (device is None and not torch.cuda.is_available())
 
 
 def _rank_device(args: ServerArgs, tp_rank: int) -> str | None:
