@@ -12,6 +12,7 @@ a peer (a collective fails) logs which and exits with PEER_LOST_EXIT_CODE.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -23,6 +24,7 @@ from sglite.messages import ReadyMsg
 from sglite.scheduler.tp_sync import (
     PEER_LOST_EXIT_CODE,
     TPPeerLost,
+    TPStopped,
     TPSync,
     idle_tick_s,
     is_peer_failure,
@@ -238,6 +240,17 @@ def run_scheduler_process(
 
     try:
         sched.event_loop(sync.recv(recv_local) if sync else recv_local)
+    except TPStopped:
+        # every rank stops at this same tick: let the batch still on the worker thread finish
+        # (its collectives meet on every rank), meet once more, and leave without running
+        # torch's and gloo's C++ teardown, which can abort while a peer is exiting too
+        sched.client.shutdown()
+        sched.grammars.shutdown()
+        sched.kv_publisher.shutdown()
+        with contextlib.suppress(RuntimeError):
+            sync.group.barrier()
+        _flush_logs()
+        os._exit(0)
     except SystemExit:
         pass
     except Exception as e:
@@ -245,10 +258,14 @@ def run_scheduler_process(
             logger.exception("scheduler crashed")
             raise
         logger.error("%s; exiting", e if isinstance(e, TPPeerLost) else sync.lost_message(e))
-        for handler in logging.getLogger().handlers:
-            handler.flush()
+        _flush_logs()
         os._exit(PEER_LOST_EXIT_CODE)  # now: the worker thread may wait in a dead collective
     finally:
         sched.client.shutdown()
         sched.grammars.shutdown()
         sched.kv_publisher.shutdown()
+
+
+def _flush_logs() -> None:
+    for handler in logging.getLogger().handlers:
+        handler.flush()
