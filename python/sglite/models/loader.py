@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -88,6 +89,9 @@ def iter_weights(path: Path, progress: bool = False) -> Iterator[tuple[str, torc
     for file in files:  # headers only: the bar knows its total from the start
         with safe_open(str(file), framework="pt", device="cpu") as f:
             total += len(f.keys())
+    # a process-local lock: tqdm's default is a multiprocessing semaphore, which the resource
+    # tracker reports as leaked when the server stops the scheduler process with a signal
+    tqdm.set_lock(threading.RLock())
     with tqdm(total=total, desc="Loading weights", unit="tensor", disable=not progress) as bar:
         for i, file in enumerate(files):
             bar.set_postfix_str(f"shard {i + 1}/{len(files)}", refresh=False)
