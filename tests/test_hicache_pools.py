@@ -103,6 +103,17 @@ def test_host_pool_larger_than_free_ram_is_refused(monkeypatch):
     assert factory.host_pool_slots(sized, dev) == (10**6 // per_slot - 4) // 4 * 4
 
 
+def test_host_pools_of_all_tp_ranks_on_a_node_must_fit_together(monkeypatch):
+    dev = _pool(num_slots=4096)
+    args = ServerArgs(enable_hierarchical_cache=True, hicache_ratio=2.0)
+    need = HostKVPool.bytes_for(dev, factory.host_pool_slots(args, dev))
+    monkeypatch.setattr(factory, "mem_available_bytes", lambda: 2 * need)
+    factory.check_host_pool_fits(args, dev, 2 * 4096)  # one rank: fits
+    tp3 = args.replace(tp_size=3)
+    with pytest.raises(ValueError, match="on each of 3 TP ranks.*MemAvailable"):
+        factory.check_host_pool_fits(tp3, dev, 2 * 4096)
+
+
 def test_hicache_flags_validate():
     with pytest.raises(ValueError, match="radix cache"):
         ServerArgs(enable_hierarchical_cache=True, disable_radix_cache=True)

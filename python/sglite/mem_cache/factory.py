@@ -59,11 +59,13 @@ def check_host_pool_fits(args: ServerArgs, kv_pool: KVPool, host_slots: int) -> 
     if host_slots < kv_pool.page_size:
         raise ValueError(f"{how}: the host KV pool would hold no page; make it larger")
     need, avail = HostKVPool.bytes_for(kv_pool, host_slots), mem_available_bytes()
-    if need > avail:
+    ranks = args.tp_size_per_node  # every TP rank on this machine holds a pool like this one
+    if need * ranks > avail:
+        each = f" on each of {ranks} TP ranks" if ranks > 1 else ""
         raise ValueError(
-            f"{how}: the host KV pool would take {need / GIB:.2f} GiB ({host_slots} tokens) "
-            f"but only {avail / GIB:.2f} GiB of RAM is available (MemAvailable); lower "
-            "--hicache-ratio or --hicache-size"
+            f"{how}: the host KV pool would take {need / GIB:.2f} GiB ({host_slots} tokens)"
+            f"{each} but only {avail / GIB:.2f} GiB of RAM is available (MemAvailable); "
+            "lower --hicache-ratio or --hicache-size"
         )
 
 
