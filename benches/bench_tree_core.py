@@ -11,6 +11,11 @@ every call timed (match, insert, lock+unlock, evict, alloc_extend, free). Prints
 seconds, requests/s, µs per match / insert / evict call, tree µs per request, bytes per cached
 token), then one summary line, and writes JSON to bench_results/bench_tree_core.json.
 
+The host tier (HiCache bookkeeping) gets a second, shorter replay per backend: the device
+cache holds a quarter of the limit, the host tier the full limit; per request
+`match_prefix_host`, `load_back` of a host hit, insert, `backup(node, 1)` (write-through),
+and device eviction under pressure. It reports µs per match_prefix_host / backup / load_back.
+
     python benches/bench_tree_core.py            # the full trace (about a minute)
     python benches/bench_tree_core.py --quick    # a short run
 """
@@ -103,6 +108,51 @@ def replay(backend, page_size: int, flat: np.ndarray, requests, cache_limit: int
     return tree, calls
 
 
+def replay_tiers(backend, page_size: int, flat: np.ndarray, requests, cache_limit: int) -> dict:
+    """The trace through a tree with a host tier; mean µs of the host-tier calls."""
+    device_limit = cache_limit // 4
+    tree = backend.RadixTree(page_size, "lru", cache_limit)
+    pool = backend.PageAllocator(device_limit + 2 * 4096, page_size)
+    calls: dict[str, list[int]] = {"match_host": [], "load_back": [], "backup": []}
+    clock = time.perf_counter_ns
+    loaded = 0
+    for start, length in requests:
+        tokens = flat[start : start + length]
+        t0 = clock()
+        prefix, _, host, host_node = tree.match_prefix_host(tokens[: length - 1])
+        calls["match_host"].append(clock() - t0)
+        tree.lock(host_node)
+        if len(host):
+            slots = pool.alloc(len(host))
+            if slots is None:
+                pool.free(tree.evict(len(host)))
+                slots = pool.alloc(len(host))
+            if slots is not None:
+                t0 = clock()
+                tree.load_back(host_node, slots)
+                calls["load_back"].append(clock() - t0)
+                prefix, loaded = np.concatenate([prefix, slots]), loaded + len(host)
+        own = pool.alloc_extend([len(prefix)], [length], [-1])
+        if own is None:
+            pool.free(tree.evict(length + page_size))
+            own = pool.alloc_extend([len(prefix)], [length], [-1])
+        slots = np.concatenate([prefix, own])
+        cached_len, leaf = tree.insert(tokens, slots)
+        key_len = length // page_size * page_size
+        pool.free(np.concatenate([slots[len(prefix) : cached_len], slots[key_len:]]))
+        tree.unlock(host_node)
+        t0 = clock()
+        tree.backup(leaf, 1)
+        calls["backup"].append(clock() - t0)
+        over = tree.total_size() - device_limit
+        if over > 0:
+            pool.free(tree.evict(over))
+    tree.sanity_check()
+    row = {k + "_us": round(sum(v) / max(len(v), 1) / 1e3, 2) for k, v in calls.items()}
+    row.update(load_backs=len(calls["load_back"]), loaded_tokens=loaded)
+    return row
+
+
 def run_trace(backend, page_size: int, flat: np.ndarray, requests, cache_limit: int) -> dict:
     begin = time.perf_counter()
     tree, _ = replay(backend, page_size, flat, requests, cache_limit)
@@ -169,6 +219,8 @@ def main() -> None:
         for backend in backends:
             run_trace(backend, page_size, flat, requests[:200], cache_limit)  # warm-up
             rows.append(run_trace(backend, page_size, flat, requests, cache_limit))
+            tiers = requests[: len(requests) // 4]
+            rows[-1]["host_tier"] = replay_tiers(backend, page_size, flat, tiers, cache_limit)
 
     header = (
         f"{'backend':8}{'ps':>3}{'wall s':>8}{'req/s':>9}{'match µs':>10}{'insert µs':>10}"
@@ -190,6 +242,15 @@ def main() -> None:
             f"{row['evict_us']:>10.2f}{row['evict_p99_us'] or 0:>7.1f}{row['evict_max_us'] or 0:>7.1f}"
             f"{row['tree_us_per_request']:>12.2f}{row['bytes_per_token']:>8.2f}"
             f"{row['speedup_vs_python'] or 0:>8.1f}x"
+        )
+
+    print(f"{'host tier':10}{'ps':>3}{'match_host µs':>15}{'backup µs':>11}{'load_back µs':>14}")
+    for row in rows:
+        h = row["host_tier"]
+        print(
+            f"{row['backend']:10}{row['page_size']:>3}{h['match_host_us']:>15.2f}"
+            f"{h['backup_us']:>11.2f}{h['load_back_us']:>14.2f}"
+            f"  ({h['load_backs']} load-backs, {h['loaded_tokens']} tokens)"
         )
 
     out = Path(args.out)
