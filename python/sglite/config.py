@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sglite.attention import BACKENDS, default_backend
-from sglite.config_checks import check_hicache, check_tensor_parallel
+from sglite.config_checks import validate
 from sglite.constrained import GRAMMAR_BACKENDS
 from sglite.kv_events.config import KvEventsConfig, parse_kv_events_config
 from sglite.parsers import REASONING_FORMATS, TOOL_CALL_PARSERS
@@ -272,66 +272,7 @@ class ServerArgs:
 
     # ---------------------------------------------------------------- validation
     def __post_init__(self) -> None:
-        def bad(name: str, why: str) -> None:
-            raise ValueError(f"--{name.replace('_', '-')}: {why}")
-
-        if self.page_size < 1:
-            bad("page_size", f"must be >= 1, got {self.page_size}")
-        if self.page_size & (self.page_size - 1):
-            bad("page_size", f"must be a power of two, got {self.page_size}")
-        if self.max_total_tokens is not None and self.max_total_tokens < 2 * self.page_size:
-            bad("max_total_tokens", f"must hold at least two pages, got {self.max_total_tokens}")
-        if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
-            bad("mem_fraction_static", f"must be in (0, 1), got {self.mem_fraction_static}")
-        if self.max_running_requests is not None and self.max_running_requests < 1:
-            bad("max_running_requests", f"must be >= 1, got {self.max_running_requests}")
-        if self.max_prefill_tokens < 1:
-            bad("max_prefill_tokens", f"must be >= 1, got {self.max_prefill_tokens}")
-        c = self.chunked_prefill_size
-        if c is not None and c != -1 and (c < self.page_size or c % self.page_size):
-            bad(
-                "chunked_prefill_size",
-                f"must be -1 or a positive multiple of the page size {self.page_size}, got {c}",
-            )
-        if self.context_length is not None and self.context_length < 2:
-            bad("context_length", f"must be >= 2, got {self.context_length}")
-        if self.dp_size < 1:
-            bad("dp_size", f"must be >= 1, got {self.dp_size}")
-        check_tensor_parallel(self, bad)
-        if not 0 < self.port < 65536:
-            bad("port", f"must be in 1..65535, got {self.port}")
-        if not 0 < self.schedule_conservativeness <= 10:
-            bad(
-                "schedule_conservativeness",
-                f"must be in (0, 10], got {self.schedule_conservativeness}",
-            )
-        if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
-            bad("cuda_graph_max_bs", f"must be >= 1, got {self.cuda_graph_max_bs}")
-        if self.max_queued_requests is not None and self.max_queued_requests < 1:
-            bad("max_queued_requests", f"must be >= 1, got {self.max_queued_requests}")
-        if self.api_key is not None and not self.api_key.strip():
-            bad("api_key", "is empty; give a key, or leave the flag out to serve without one")
-        if not self.cors_origins:
-            bad("allowed_origins", "names no origin; give * or a comma-separated list")
-        try:
-            parse_kv_events_config(self.kv_events_config)
-        except ValueError as e:
-            bad("kv_events_config", str(e))
-        check_hicache(self, bad)
-        if self.stream_interval < 1:
-            bad("stream_interval", f"must be >= 1, got {self.stream_interval}")
-        if not self.watchdog_timeout > 0:  # NaN too
-            bad("watchdog_timeout", f"must be > 0 seconds, got {self.watchdog_timeout}")
-        if not self.grammar_compile_timeout > 0:
-            bad(
-                "grammar_compile_timeout",
-                f"must be > 0 seconds, got {self.grammar_compile_timeout}",
-            )
-        for f in dataclasses.fields(self):  # every field with choices
-            choices = f.metadata.get("choices")
-            value = getattr(self, f.name)
-            if value is not None and choices and value not in choices:
-                bad(f.name, f"must be one of {', '.join(choices)}, got {value!r}")
+        validate(self)
 
     # ---------------------------------------------------------------- derived
     @property

@@ -1,12 +1,16 @@
-"""Cross-field checks of ServerArgs that belong to one feature (kept out of config.py).
+"""The validation of ServerArgs (run by its __post_init__): every check of one field's range
+and of how fields combine, each failure a ValueError naming the flag.
 
-Each function gets the args and `bad(name, why)`, which raises ValueError naming the flag.
+The feature checks get the args and `bad(name, why)`, which raises that error.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING
+
+from sglite.kv_events.config import parse_kv_events_config
 
 if TYPE_CHECKING:
     from sglite.config import ServerArgs
@@ -54,3 +58,66 @@ def check_hicache(args: ServerArgs, bad: Bad) -> None:
         # each rank would read its own shard's files, and a page one rank dropped would make
         # the ranks' prefix matches (so their batches) differ
         bad("hicache_storage_backend", "is not supported with --tp-size > 1 yet")
+
+
+def validate(args: ServerArgs) -> None:
+    def bad(name: str, why: str) -> None:
+        raise ValueError(f"--{name.replace('_', '-')}: {why}")
+
+    if args.page_size < 1:
+        bad("page_size", f"must be >= 1, got {args.page_size}")
+    if args.page_size & (args.page_size - 1):
+        bad("page_size", f"must be a power of two, got {args.page_size}")
+    if args.max_total_tokens is not None and args.max_total_tokens < 2 * args.page_size:
+        bad("max_total_tokens", f"must hold at least two pages, got {args.max_total_tokens}")
+    if args.mem_fraction_static is not None and not 0 < args.mem_fraction_static < 1:
+        bad("mem_fraction_static", f"must be in (0, 1), got {args.mem_fraction_static}")
+    if args.max_running_requests is not None and args.max_running_requests < 1:
+        bad("max_running_requests", f"must be >= 1, got {args.max_running_requests}")
+    if args.max_prefill_tokens < 1:
+        bad("max_prefill_tokens", f"must be >= 1, got {args.max_prefill_tokens}")
+    c = args.chunked_prefill_size
+    if c is not None and c != -1 and (c < args.page_size or c % args.page_size):
+        bad(
+            "chunked_prefill_size",
+            f"must be -1 or a positive multiple of the page size {args.page_size}, got {c}",
+        )
+    if args.context_length is not None and args.context_length < 2:
+        bad("context_length", f"must be >= 2, got {args.context_length}")
+    if args.dp_size < 1:
+        bad("dp_size", f"must be >= 1, got {args.dp_size}")
+    check_tensor_parallel(args, bad)
+    if not 0 < args.port < 65536:
+        bad("port", f"must be in 1..65535, got {args.port}")
+    if not 0 < args.schedule_conservativeness <= 10:
+        bad(
+            "schedule_conservativeness",
+            f"must be in (0, 10], got {args.schedule_conservativeness}",
+        )
+    if args.cuda_graph_max_bs is not None and args.cuda_graph_max_bs < 1:
+        bad("cuda_graph_max_bs", f"must be >= 1, got {args.cuda_graph_max_bs}")
+    if args.max_queued_requests is not None and args.max_queued_requests < 1:
+        bad("max_queued_requests", f"must be >= 1, got {args.max_queued_requests}")
+    if args.api_key is not None and not args.api_key.strip():
+        bad("api_key", "is empty; give a key, or leave the flag out to serve without one")
+    if not args.cors_origins:
+        bad("allowed_origins", "names no origin; give * or a comma-separated list")
+    try:
+        parse_kv_events_config(args.kv_events_config)
+    except ValueError as e:
+        bad("kv_events_config", str(e))
+    check_hicache(args, bad)
+    if args.stream_interval < 1:
+        bad("stream_interval", f"must be >= 1, got {args.stream_interval}")
+    if not args.watchdog_timeout > 0:  # NaN too
+        bad("watchdog_timeout", f"must be > 0 seconds, got {args.watchdog_timeout}")
+    if not args.grammar_compile_timeout > 0:
+        bad(
+            "grammar_compile_timeout",
+            f"must be > 0 seconds, got {args.grammar_compile_timeout}",
+        )
+    for f in dataclasses.fields(args):  # every field with choices
+        choices = f.metadata.get("choices")
+        value = getattr(args, f.name)
+        if value is not None and choices and value not in choices:
+            bad(f.name, f"must be one of {', '.join(choices)}, got {value!r}")
