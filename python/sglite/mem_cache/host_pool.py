@@ -23,41 +23,31 @@ from sglite.mem_cache.memory_pool import KVPool
 
 class HostKVPool:
     def __init__(self, device_pool: KVPool, host_slots: int) -> None:
-        ps = device_pool.page_size
-        if host_slots < ps or host_slots % ps:
-            raise ValueError(
-                f"host KV pool of {host_slots} slots is not a positive multiple of page_size {ps}"
-            )
-        self.device_pool = device_pool
-        self.num_slots = host_slots
-        self.page_size = ps
-        self.dtype = device_pool.dtype
-        self.device = device_pool.device
+        d = device_pool
+        self.device_pool = d
+        self.device = d.device
         pin = self.device.type == "cuda"
-        shape = (host_slots + ps, device_pool.num_kv_heads, device_pool.head_dim)
-
-        def buf() -> torch.Tensor:
-            return torch.zeros(shape, dtype=self.dtype, device="cpu", pin_memory=pin)
-
-        self.k_buffer = [buf() for _ in range(device_pool.num_layers)]
-        self.v_buffer = [buf() for _ in range(device_pool.num_layers)]
+        self.pool = KVPool(
+            host_slots, d.page_size, d.num_layers, d.num_kv_heads, d.head_dim, d.dtype, "cpu",
+            pin_memory=pin,
+        )  # fmt: skip
+        self.k_buffer, self.v_buffer = self.pool.k_buffer, self.pool.v_buffer
+        self.num_slots, self.page_size, self.dtype = host_slots, d.page_size, d.dtype
         self.stream = torch.cuda.Stream(self.device) if pin else None
         self.bytes_per_slot = KVPool.bytes_per_slot(
-            device_pool.num_layers, device_pool.num_kv_heads, device_pool.head_dim, self.dtype
+            d.num_layers, d.num_kv_heads, d.head_dim, d.dtype
         )
         self.num_bytes_to_host = 0
         self.num_bytes_to_device = 0
 
     @staticmethod
     def bytes_for(device_pool: KVPool, host_slots: int) -> int:
-        per_slot = KVPool.bytes_per_slot(
-            device_pool.num_layers, device_pool.num_kv_heads, device_pool.head_dim,
-            device_pool.dtype,
-        )  # fmt: skip
-        return (host_slots + device_pool.page_size) * per_slot
+        d = device_pool
+        per_slot = KVPool.bytes_per_slot(d.num_layers, d.num_kv_heads, d.head_dim, d.dtype)
+        return (host_slots + d.page_size) * per_slot
 
     def memory_bytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self.k_buffer + self.v_buffer)
+        return self.pool.memory_bytes()
 
     # ---------------------------------------------------------------- copies
     def backup(self, device_idx: np.ndarray, host_idx: np.ndarray) -> None:

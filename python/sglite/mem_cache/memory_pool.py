@@ -97,6 +97,7 @@ class KVPool:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        pin_memory: bool = False,  # host buffers that copy to/from CUDA (HiCache's host pool)
     ) -> None:
         if num_slots < page_size or num_slots % page_size:
             raise ValueError(
@@ -110,12 +111,12 @@ class KVPool:
         self.dtype = dtype
         self.device = torch.device(device)
         shape = (num_slots + page_size, num_kv_heads, head_dim)
-        self.k_buffer = [
-            torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)
-        ]
-        self.v_buffer = [
-            torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)
-        ]
+
+        def buf() -> torch.Tensor:
+            return torch.zeros(shape, dtype=dtype, device=self.device, pin_memory=pin_memory)
+
+        self.k_buffer = [buf() for _ in range(num_layers)]
+        self.v_buffer = [buf() for _ in range(num_layers)]
 
     @staticmethod
     def bytes_per_slot(
