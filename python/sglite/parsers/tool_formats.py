@@ -50,7 +50,16 @@ def _split_trailing_space(text: str, keep: int) -> int:
     return end
 
 
-class HermesToolParser(BufferedParser):
+class _StateParser(BufferedParser):
+    """A tool-call format as a state machine: state `name` is consumed by `self._name(out)`."""
+
+    _state: str
+
+    def _step(self, out: list[Event]) -> bool:
+        return getattr(self, "_" + self._state)(out)
+
+
+class HermesToolParser(_StateParser):
     """`<tool_call>{json}</tool_call>` blocks (see the module docstring)."""
 
     START, END = "<tool_call>", "</tool_call>"
@@ -61,10 +70,6 @@ class HermesToolParser(BufferedParser):
         self._state = "text"  # text | call | after (between a call object and its end tag)
         self._strip = False  # drop whitespace that follows a call
         self._space = ""  # whitespace before the current call's tag (shown if it fails)
-
-    def _step(self, out: list[Event]) -> bool:
-        step = {"text": self._text, "call": self._call, "after": self._after}
-        return step[self._state](out)
 
     def finish(self) -> list[Event]:
         out: list[Event] = []
@@ -112,7 +117,7 @@ class HermesToolParser(BufferedParser):
         return True
 
 
-class Llama3ToolParser(BufferedParser):
+class Llama3ToolParser(_StateParser):
     """`{"name": ..., "parameters": ...}` objects, `;`-separated, at the start of the output
     or after `<|python_tag|>` (see the module docstring)."""
 
@@ -123,16 +128,6 @@ class Llama3ToolParser(BufferedParser):
         self._buf = ""
         self._state = "start"  # start | text | expect (a call may follow) | call | between
         self._prefix = ""  # text consumed before the current call object (shown if it fails)
-
-    def _step(self, out: list[Event]) -> bool:
-        step = {
-            "start": self._start,
-            "text": self._text,
-            "expect": self._expect,
-            "call": self._call,
-            "between": self._between,
-        }
-        return step[self._state](out)
 
     def finish(self) -> list[Event]:
         out: list[Event] = []
