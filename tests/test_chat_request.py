@@ -9,24 +9,13 @@ import json
 
 import pytest
 
+from fixtures.tools import WEATHER
 from sglite.parsers import CallArgs, CallStart, RequiredCallsParser, merge_events
 from sglite.parsers.constrained import named_schema, required_schema
 from sglite.server.chat_request import plan_chat
 from sglite.server.inputs import RequestError
 from sglite.server.protocol import ChatCompletionRequest
 
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Weather in a city",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string"}},
-            "required": ["city"],
-        },
-    },
-}
 CLOCK = {
     "type": "function",
     "function": {

@@ -18,19 +18,8 @@ import pytest
 
 from fixtures.chat_templates import build_echo_tokenizer
 from fixtures.serving import start_server
+from fixtures.tools import WEATHER
 
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Weather in a city",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string"}},
-            "required": ["city"],
-        },
-    },
-}
 CLOCK = {
     "type": "function",
     "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}},

@@ -15,11 +15,9 @@ from __future__ import annotations
 
 import json
 import re
-import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -52,32 +50,8 @@ PREFIX_C = "Minutes of the chess club meeting held on Tuesday: " + " ".join(
 )
 
 
-@dataclass
-class RouterProc:
-    proc: subprocess.Popen
-    port: int
-    log_path: Path
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def stop(self, timeout: float = 30) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
-
-
-def start_router(workers: list[ServerProc], log_path: Path) -> RouterProc:
-    """The router over `workers`, once it reports every one of them healthy."""
+def start_router(workers: list[ServerProc], log_path: Path) -> ServerProc:
+    """The router (run like a server process) over `workers`, once it reports every one of them healthy."""
     port = free_port()
     metrics_port = free_port()
     while metrics_port == port:
@@ -95,7 +69,7 @@ def start_router(workers: list[ServerProc], log_path: Path) -> RouterProc:
     proc = subprocess.Popen(
         cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env(), start_new_session=True
     )
-    router = RouterProc(proc, port, log_path)
+    router = ServerProc(proc, port, log_path)
     deadline = time.monotonic() + READY_TIMEOUT_S
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -111,7 +85,7 @@ def start_router(workers: list[ServerProc], log_path: Path) -> RouterProc:
     raise RuntimeError(f"router did not see {len(workers)} healthy workers:\n{router.log()}")
 
 
-def worker_states(router: RouterProc) -> dict[str, dict]:
+def worker_states(router: ServerProc) -> dict[str, dict]:
     workers = httpx.get(router.url + "/workers", timeout=10).json()["workers"]
     return {w["url"]: w for w in workers}
 
@@ -134,7 +108,7 @@ def generate(url: str, text: str, max_new_tokens: int = 2) -> dict:
     return r.json()
 
 
-def send_group(router: RouterProc, workers: list[ServerProc], prefix: str, n: int) -> list[int]:
+def send_group(router: ServerProc, workers: list[ServerProc], prefix: str, n: int) -> list[int]:
     """Send n requests sharing `prefix` one at a time; how many each worker answered."""
     before = counts(workers)
     for i in range(n):
@@ -142,7 +116,7 @@ def send_group(router: RouterProc, workers: list[ServerProc], prefix: str, n: in
     return [b - a for a, b in zip(before, counts(workers))]
 
 
-def stop_all(router: RouterProc, workers: list[ServerProc]) -> None:
+def stop_all(router: ServerProc, workers: list[ServerProc]) -> None:
     """Stop the router and the workers; each exits 0 and leaves no process behind."""
     pids = [router.proc.pid, *descendants(router.proc.pid)]
     for w in workers:
