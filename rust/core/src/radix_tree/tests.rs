@@ -141,11 +141,11 @@ fn bad_input_changes_nothing() {
     assert_eq!((t.node_count(), t.clock), (0, 0));
 }
 
-/// xorshift64*, so the stress test needs no crate.
-struct Rng(u64);
+/// xorshift64*, so the stress tests need no crate.
+pub(super) struct Rng(pub(super) u64);
 
 impl Rng {
-    fn below(&mut self, n: u64) -> u64 {
+    pub(super) fn below(&mut self, n: u64) -> u64 {
         self.0 ^= self.0 >> 12;
         self.0 ^= self.0 << 25;
         self.0 ^= self.0 >> 27;

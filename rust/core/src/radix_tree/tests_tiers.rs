@@ -1,5 +1,6 @@
 //! Unit tests of the host tier (the parity with the Python twin is tested from Python).
 
+use super::tests::Rng;
 use super::*;
 
 fn tree(host_slots: i64) -> RadixTree {
@@ -155,18 +156,6 @@ fn sanity_check_catches_a_broken_host_ledger() {
     let (mut t, _) = host_only(&[1, 2, 3]);
     t.evictable += 1;
     assert!(t.sanity_check().is_err());
-}
-
-/// xorshift64*, so the stress test needs no crate.
-struct Rng(u64);
-
-impl Rng {
-    fn below(&mut self, n: u64) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d) % n
-    }
 }
 
 #[test]
