@@ -47,8 +47,6 @@ def attach_host_tier(cache, kv: np.ndarray, rng: random.Random, core) -> None:
 
 @pytest.mark.parametrize("seed", range(NUM_CASES))
 def test_scheduler_fuzz_with_host_tier(core, seed, monkeypatch):
-    if not hasattr(core.RadixTree, "match_prefix_host"):
-        pytest.skip(f"the {core.name} tree core has no host tier yet")
     rng = random.Random(10_000 + seed)
     harnesses = []
     real_init = fuzz.Harness.__init__
@@ -82,8 +80,6 @@ def test_scheduler_fuzz_with_host_tier(core, seed, monkeypatch):
 
 def test_fuzz_cases_loaded_back(core):
     """The cases above exercised load-back (run after them, same session)."""
-    if not hasattr(core.RadixTree, "match_prefix_host"):
-        pytest.skip(f"the {core.name} tree core has no host tier yet")
     if len(LOADED) < NUM_CASES // 2:
         pytest.skip("run with the fuzz cases")
     assert sum(x > 0 for x in LOADED) >= len(LOADED) // 4, LOADED
