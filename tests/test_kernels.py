@@ -65,17 +65,29 @@ def _csr(slot_lists, device, dtype=torch.int32):
     return indptr, indices.to(dtype=dtype, device=device)
 
 
-def _ref_attention(q, k, v, sm_scale, causal_offset=None):
-    """q [M, Hq, D], k/v [N, Hkv, D] -> [M, Hq, D] in fp32; query i sees keys <= offset + i."""
+def _ref_attention(q, k, v, sm_scale, causal_offset=None, window=None, cap=0.0, sinks=None):
+    """q [M, Hq, D], k/v [N, Hkv, D] -> [M, Hq, D] in fp32; query i (at key position
+    offset + i; decode: offset N - 1) sees keys n <= offset + i and, under a window W,
+    n > offset + i - W; scores capped (cap * tanh(s / cap)); sinks [Hq] in the denominator."""
     group = q.shape[1] // k.shape[1]
     k = k.float().repeat_interleave(group, dim=1)
     v = v.float().repeat_interleave(group, dim=1)
     scores = torch.einsum("mhd,nhd->hmn", q.float(), k) * sm_scale
-    if causal_offset is not None:
-        m = torch.arange(q.shape[0])[:, None]
-        n = torch.arange(k.shape[0])[None, :]
-        scores = scores.masked_fill((n > m + causal_offset).to(scores.device), float("-inf"))
-    return torch.einsum("hmn,nhd->mhd", scores.softmax(-1), v)
+    if cap:
+        scores = torch.tanh(scores / cap) * cap
+    offset = k.shape[0] - 1 if causal_offset is None else causal_offset
+    m = torch.arange(q.shape[0])[:, None] + offset
+    n = torch.arange(k.shape[0])[None, :]
+    hidden = n > m
+    if window is not None:
+        hidden |= n <= m - window
+    scores = scores.masked_fill(hidden.to(scores.device), float("-inf"))
+    if sinks is not None:
+        column = sinks.float().view(-1, 1, 1).expand(-1, q.shape[0], 1)
+        weights = torch.cat([scores, column], -1).softmax(-1)[..., :-1]
+    else:
+        weights = scores.softmax(-1)
+    return torch.einsum("hmn,nhd->mhd", weights, v)
 
 
 # ---------------------------------------------------------------- store_kv
@@ -117,7 +129,7 @@ def test_fill_kv_indices_flattens_table_rows(table_dtype):
 # ---------------------------------------------------------------- decode
 
 
-def _check_decode(lens, hq, hkv, d, page_size, dtype, device, splits=None, block_n=None):
+def _check_decode(lens, hq, hkv, d, page_size, dtype, device, splits=None, block_n=None, **variant):
     gen = torch.Generator().manual_seed(1)
     pool = Pool(sum(-(-n // page_size) for n in lens) + 2, page_size, hkv, d, dtype, device)
     slots = [pool.alloc(n) for n in lens]
@@ -125,17 +137,21 @@ def _check_decode(lens, hq, hkv, d, page_size, dtype, device, splits=None, block
     q = torch.randn(len(lens), hq, d, generator=gen).to(dtype=dtype, device=device)
     o = torch.full_like(q, float("nan"))
     sm_scale = 1 / math.sqrt(d)
+    window = variant.get("window")
     if splits is None:
         max_splits = 8
-        nsplit = num_kv_splits(kv_indptr.diff(), hkv, num_sms=132, max_splits=max_splits)
+        lens_read = kv_indptr.diff() if window is None else kv_indptr.diff().clamp(max=window)
+        nsplit = num_kv_splits(lens_read, hkv, num_sms=132, max_splits=max_splits)
     else:
         max_splits = max(splits)
         nsplit = torch.tensor(splits, dtype=torch.int32, device=device)
     decode_attention(
-        q, pool.k, pool.v, o, kv_indptr, kv_indices, nsplit, max_splits, sm_scale, block_n=block_n
-    )
+        q, pool.k, pool.v, o, kv_indptr, kv_indices, nsplit, max_splits, sm_scale,
+        block_n=block_n, **_on(variant, device),
+    )  # fmt: skip
     for b, s in enumerate(slots):
-        ref = _ref_attention(q[b : b + 1], pool.k[s.to(device)], pool.v[s.to(device)], sm_scale)
+        keys, vals = pool.k[s.to(device)], pool.v[s.to(device)]
+        ref = _ref_attention(q[b : b + 1], keys, vals, sm_scale, **_ref_variant(variant))
         torch.testing.assert_close(o[b : b + 1].float(), ref, atol=TOL[dtype], rtol=TOL[dtype])
 
 
@@ -167,6 +183,31 @@ def test_decode_clamps_bad_split_counts():
     _check_decode([12, 40], 2, 1, 16, 1, torch.float32, "cpu", [0, 9], 16)
 
 
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("window", [1, 5, 20, 37, 64])
+def test_decode_window(page_size, window):
+    # windows shorter than, equal to and longer than the rows; splits of the windowed keys
+    _check_decode(
+        [1, 37, 20, 50], 8, 2, 32, page_size, torch.float32, "cpu", [1, 3, 2, 3], 16,
+        window=window,
+    )  # fmt: skip
+
+
+def test_decode_cap_and_sinks():
+    _check_decode([3, 40], 4, 2, 16, 16, torch.float32, "cpu", [1, 3], 16, logit_cap=0.6)
+    _check_decode([3, 40], 4, 2, 16, 16, torch.float32, "cpu", [2, 3], 16, sinks=_sinks(4))
+    _check_decode(
+        [9, 70], 4, 1, 16, 1, torch.float32, "cpu", None, 16,
+        window=24, logit_cap=1.5, sinks=_sinks(4),
+    )  # fmt: skip
+
+
+def test_decode_bf16_window_and_sinks():
+    _check_decode(
+        [9, 30], 8, 1, 64, 16, torch.bfloat16, "cpu", [2, 2], 16, window=12, sinks=_sinks(8)
+    )
+
+
 def test_num_kv_splits_heuristic():
     lens = torch.tensor([1, 255, 256, 257, 4096, 100_000])
     got = num_kv_splits(lens, num_kv_heads=8, num_sms=132, max_splits=16)
@@ -180,7 +221,28 @@ def test_num_kv_splits_heuristic():
 # ---------------------------------------------------------------- extend
 
 
-def _check_extend(prefix_lens, extend_lens, hq, hkv, d, page_size, dtype, device, blocks=None):
+def _on(variant: dict, device) -> dict:
+    """The launchers' variant keywords, sinks on the device."""
+    if variant.get("sinks") is None:
+        return variant
+    return {**variant, "sinks": variant["sinks"].to(device)}
+
+
+def _ref_variant(variant: dict) -> dict:
+    return {
+        "window": variant.get("window"),
+        "cap": variant.get("logit_cap", 0.0),
+        "sinks": variant.get("sinks"),
+    }
+
+
+def _sinks(num_heads: int) -> torch.Tensor:
+    return torch.linspace(-2.0, 3.0, num_heads)
+
+
+def _check_extend(
+    prefix_lens, extend_lens, hq, hkv, d, page_size, dtype, device, blocks=None, **variant
+):
     gen = torch.Generator().manual_seed(2)
     total = [p + e for p, e in zip(prefix_lens, extend_lens)]
     pool = Pool(sum(-(-n // page_size) for n in total) + 2, page_size, hkv, d, dtype, device)
@@ -202,13 +264,13 @@ def _check_extend(prefix_lens, extend_lens, hq, hkv, d, page_size, dtype, device
     block_m, block_n = blocks or (None, None)
     extend_attention(
         q, k, v, o, pool.k, pool.v, qo_indptr, kv_indptr, kv_indices, max(extend_lens),
-        sm_scale, block_m=block_m, block_n=block_n,
+        sm_scale, block_m=block_m, block_n=block_n, **_on(variant, device),
     )  # fmt: skip
     for b, (p, s) in enumerate(zip(prefix_lens, prefix_slots)):
         rows = slice(int(qo_indptr[b]), int(qo_indptr[b + 1]))
         keys = torch.cat([pool.k[s.to(device)], k[rows]])
         vals = torch.cat([pool.v[s.to(device)], v[rows]])
-        ref = _ref_attention(q[rows], keys, vals, sm_scale, causal_offset=p)
+        ref = _ref_attention(q[rows], keys, vals, sm_scale, p, **_ref_variant(variant))
         torch.testing.assert_close(o[rows].float(), ref, atol=TOL[dtype], rtol=TOL[dtype])
 
 
@@ -229,6 +291,27 @@ def test_extend_bf16_default_blocks():
 
 def test_extend_without_any_prefix():
     _check_extend([0, 0], [3, 20], 2, 2, 16, 1, torch.float32, "cpu", (16, 16))
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("window", [1, 6, 21, 40])
+def test_extend_window(page_size, window):
+    # prefixes longer than the window (its first tiles skipped), fresh prompts crossing it,
+    # a one-token row; tiles of 16 so that a block's window starts mid-tile
+    _check_extend(
+        [0, 21, 35, 3], [40, 7, 1, 30], 4, 2, 32, page_size, torch.float32, "cpu", (16, 16),
+        window=window,
+    )  # fmt: skip
+
+
+def test_extend_cap_and_sinks():
+    sinks = _sinks(4)
+    _check_extend([0, 21], [19, 7], 4, 1, 16, 1, torch.float32, "cpu", (16, 16), logit_cap=0.7)
+    _check_extend([0, 21], [19, 7], 4, 1, 16, 1, torch.float32, "cpu", (16, 16), sinks=sinks)
+    _check_extend(
+        [5, 0, 40], [12, 33, 1], 4, 2, 16, 16, torch.float32, "cpu", (16, 16),
+        window=10, logit_cap=2.5, sinks=sinks,
+    )  # fmt: skip
 
 
 def test_extend_head_dim_128_group_8_long():
@@ -276,6 +359,10 @@ def _decode_args(**over):
         (dict(kv_indices=torch.zeros(2, 1, dtype=torch.int32)), "1-D"),
         (dict(o=torch.zeros(3, 4, 32)), "q's shape"),
         (dict(max_splits=0), "max_splits"),
+        (dict(window=0), "window must be a positive int"),
+        (dict(logit_cap=-1.0), "logit_cap must be finite"),
+        (dict(sinks=torch.zeros(3)), r"sinks must be float32 \[4\]"),
+        (dict(sinks=torch.zeros(4, dtype=torch.float64)), "sinks must be float32"),
     ],
 )
 def test_decode_validation(over, match):
@@ -321,6 +408,21 @@ def test_extend_gpu(page_size, hq, hkv, d):
     _check_extend(
         [0, 700, 37, 2048, 1], [513, 1, 300, 128, 1000], hq, hkv, d, page_size,
         torch.bfloat16, "cuda",
+    )  # fmt: skip
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("window", [512, 4096])
+def test_variants_gpu(page_size, window):
+    # Gemma-like heads (8 over 4, head_dim 256) with a window, a soft cap and sinks
+    variant = dict(window=window, logit_cap=50.0, sinks=_sinks(8))
+    lens = [1, 17, 300, 1024, 4096, 2047, 513, 5000] * 2
+    _check_decode(lens, 8, 4, 256, page_size, torch.bfloat16, "cuda", **variant)
+    _check_extend(
+        [0, 700, 37, 2048, 1], [513, 1, 300, 128, 1000], 8, 4, 256, page_size,
+        torch.bfloat16, "cuda", **variant,
     )  # fmt: skip
 
 

@@ -36,9 +36,11 @@ pub fn exp_nonpositive(x: f32) -> f32 {
     y * scale
 }
 
-/// Replaces `row` by `exp(row - max(row))` and returns the sum of the new values.
+/// Replaces `row` by `exp(row - top)` and returns the sum of the new values, where `top` is
+/// the largest of `row` and `sink`; a sink (an extra logit that weighs no value) adds its
+/// `exp(sink - top)` to the sum only.
 #[inline(always)]
-pub fn softmax_numerators(row: &mut [f32]) -> f32 {
+pub fn softmax_numerators(row: &mut [f32], sink: Option<f32>) -> f32 {
     const LANES: usize = 16;
     let mut maxes = [f32::NEG_INFINITY; LANES];
     let (main, tail) = row.split_at(row.len() - row.len() % LANES);
@@ -57,6 +59,9 @@ pub fn softmax_numerators(row: &mut [f32]) -> f32 {
     for m in maxes {
         max = if m > max { m } else { max };
     }
+    if let Some(sink) = sink {
+        max = if sink > max { sink } else { max };
+    }
     let mut sums = [0f32; LANES];
     let split = main.len();
     let (main, tail) = row.split_at_mut(split);
@@ -71,5 +76,6 @@ pub fn softmax_numerators(row: &mut [f32]) -> f32 {
         *x = exp_nonpositive(*x - max);
         sum += *x;
     }
-    sums.iter().sum::<f32>() + sum
+    let sink_weight = sink.map_or(0.0, |s| exp_nonpositive(s - max));
+    sums.iter().sum::<f32>() + sum + sink_weight
 }

@@ -66,9 +66,12 @@ pub(super) fn problem(c: &Case) -> Problem<'_, f32> {
         seq_lens: &c.seq_lens,
         dims: c.dims,
         scale: 0.125,
+        window: None,
+        variant: Variant::default(),
     }
 }
 
+/// The definition in f64: row i's last `window` keys, scores capped, softmax with the sink.
 pub(super) fn reference(p: &Problem<'_, f32>) -> Vec<f64> {
     let Dims {
         num_heads,
@@ -76,9 +79,12 @@ pub(super) fn reference(p: &Problem<'_, f32>) -> Vec<f64> {
         head_dim: d,
     } = p.dims;
     let group = num_heads / num_kv_heads;
+    let cap = p.variant.logit_cap as f64;
     let mut out = vec![0f64; p.q.len()];
     for (i, (&row, &len)) in p.rows.iter().zip(p.seq_lens).enumerate() {
-        let slots = &p.table[row as usize * p.table_width..][..len as usize];
+        let len = len as usize;
+        let first = len.saturating_sub(p.window.unwrap_or(len));
+        let slots = &p.table[row as usize * p.table_width..][first..len];
         for h in 0..num_heads {
             let kv = h / group;
             let q = &p.q[(i * num_heads + h) * d..][..d];
@@ -86,16 +92,27 @@ pub(super) fn reference(p: &Problem<'_, f32>) -> Vec<f64> {
                 .iter()
                 .map(|&s| {
                     let key = &p.k[(s as usize * num_kv_heads + kv) * d..][..d];
-                    q.iter()
+                    let s = q
+                        .iter()
                         .zip(key)
                         .map(|(a, b)| *a as f64 * *b as f64)
                         .sum::<f64>()
-                        * p.scale as f64
+                        * p.scale as f64;
+                    if cap > 0.0 {
+                        cap * (s / cap).tanh()
+                    } else {
+                        s
+                    }
                 })
                 .collect();
-            let max = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            let sink = p.variant.sinks.map(|s| s[h] as f64);
+            let max = scores
+                .iter()
+                .cloned()
+                .chain(sink)
+                .fold(f64::NEG_INFINITY, f64::max);
             let weights: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
-            let total: f64 = weights.iter().sum();
+            let total: f64 = weights.iter().sum::<f64>() + sink.map_or(0.0, |s| (s - max).exp());
             for (w, &s) in weights.iter().zip(slots) {
                 let value = &p.v[(s as usize * num_kv_heads + kv) * d..][..d];
                 for (o, x) in out[(i * num_heads + h) * d..][..d].iter_mut().zip(value) {
@@ -192,7 +209,134 @@ fn bf16_shell(c: &Case) -> Problem<'_, Bf16> {
         seq_lens: &c.seq_lens,
         dims: c.dims,
         scale: 0.125,
+        window: None,
+        variant: Variant::default(),
     }
+}
+
+#[test]
+fn windows_caps_and_sinks_match_the_reference() {
+    let mut rng = Rng(0x5eed);
+    let layouts = [(8, 2, 64), (4, 1, 16), (6, 3, 20), (2, 2, 128)];
+    for (round, &(num_heads, num_kv_heads, head_dim)) in layouts.iter().cycle().take(24).enumerate()
+    {
+        let dims = Dims {
+            num_heads,
+            num_kv_heads,
+            head_dim,
+        };
+        let n = 1 + rng.below(10);
+        let max_len = 1 + rng.below(if round % 4 == 0 { 900 } else { 70 });
+        let c = case(&mut rng, n, max_len, dims);
+        // windows shorter than, equal to and longer than the rows
+        let window = [None, Some(1), Some(7), Some(max_len), Some(max_len + 5)][round % 5];
+        let sinks: Vec<f32> = (0..num_heads).map(|_| rng.unit() * 3.0).collect();
+        let variant = Variant {
+            logit_cap: [0.0, 0.7, 5.0][round % 3],
+            sinks: (round % 2 == 0).then_some(&sinks[..]),
+        };
+        let p = Problem {
+            window,
+            variant,
+            ..problem(&c)
+        };
+        let want = reference(&p);
+        for threads in [1, 3] {
+            let mut out = vec![0f32; c.q.len()];
+            decode_attention(&p, &mut out, threads).unwrap();
+            let diff = max_abs_diff(&out, &want);
+            assert!(
+                diff < 2e-5,
+                "round {round} window {window:?} cap {} threads {threads}: max diff {diff}",
+                variant.logit_cap
+            );
+        }
+    }
+}
+
+#[test]
+fn a_window_reads_only_the_last_keys() {
+    // keys before the window hold NaN: reading any of them would poison the output
+    let mut rng = Rng(3);
+    let dims = Dims {
+        num_heads: 2,
+        num_kv_heads: 1,
+        head_dim: 16,
+    };
+    let mut c = case(&mut rng, 4, 40, dims);
+    c.seq_lens = vec![40, 12, 5, 33];
+    c.rows = vec![0, 1, 2, 3];
+    let window = 6;
+    let mut k = vec![f32::NAN; c.k.len()];
+    let mut v = vec![f32::NAN; c.v.len()];
+    for (i, &len) in c.seq_lens.iter().enumerate() {
+        let len = len as usize;
+        // distinct slots per row, so no row's window holds another row's stale key
+        for (t, slot) in c.table[i * c.width..][..len].iter_mut().enumerate() {
+            *slot = (i * c.width + t) as i32;
+            if t + window >= len {
+                let at = *slot as usize * dims.head_dim;
+                k[at..at + dims.head_dim].copy_from_slice(&c.k[at..at + dims.head_dim]);
+                v[at..at + dims.head_dim].copy_from_slice(&c.v[at..at + dims.head_dim]);
+            }
+        }
+    }
+    let p = Problem {
+        k: &k,
+        v: &v,
+        window: Some(window),
+        ..problem(&c)
+    };
+    let mut out = vec![0f32; c.q.len()];
+    decode_attention(&p, &mut out, 2).unwrap();
+    assert!(out.iter().all(|x| x.is_finite()));
+    assert!(max_abs_diff(&out, &reference(&p)) < 2e-5);
+}
+
+#[test]
+fn bad_variants_are_errors() {
+    let mut rng = Rng(8);
+    let dims = Dims {
+        num_heads: 4,
+        num_kv_heads: 2,
+        head_dim: 8,
+    };
+    let c = case(&mut rng, 3, 10, dims);
+    let mut out = vec![7f32; c.q.len()];
+    let sinks = [0.0f32; 3];
+    for (p, needle) in [
+        (
+            Problem {
+                window: Some(0),
+                ..problem(&c)
+            },
+            "window must be >= 1",
+        ),
+        (
+            Problem {
+                variant: Variant {
+                    logit_cap: f32::NAN,
+                    sinks: None,
+                },
+                ..problem(&c)
+            },
+            "logit_cap",
+        ),
+        (
+            Problem {
+                variant: Variant {
+                    logit_cap: 0.0,
+                    sinks: Some(&sinks),
+                },
+                ..problem(&c)
+            },
+            "3 sinks for 4 query heads",
+        ),
+    ] {
+        let e = decode_attention(&p, &mut out, 1).unwrap_err();
+        assert!(e.0.contains(needle), "{e} lacks {needle:?}");
+    }
+    assert!(out.iter().all(|&x| x == 7.0));
 }
 
 #[test]
