@@ -114,6 +114,29 @@ def test_triton_backend_matches_transformers(model_dir, hf_prompt):
     _greedy_match(driver, seq, logits[-1], hf_tokens[:6], hf_logits)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("arch", list(MODELS))
+def test_triton_on_cuda_with_graphs_matches_transformers(arch, model_dir, hf_prompt):
+    """The compiled kernels (fp32) and the decode CUDA graphs, with windowed layers."""
+    from sglite.model_executor.model_runner import ModelRunner
+
+    ref, (hf_tokens, hf_logits) = hf_prompt(arch)
+    runner = ModelRunner(
+        model_dir(arch), device="cuda", dtype="float32", page_size=16, max_total_tokens=1024,
+        max_running_requests=8, attention_backend="triton",
+    )  # fmt: skip
+    driver = Driver(runner)
+    seq = driver.new_seq()
+    logits = driver.extend([seq], [PROMPT], return_all_logits=True).cpu()
+    torch.testing.assert_close(logits, ref, atol=ATOL, rtol=0)
+    tokens = [int(logits[-1].argmax())]
+    for _ in range(len(hf_tokens) - 1):
+        tokens.append(int(driver.decode([seq], [tokens[-1]])[0].argmax()))
+    assert tokens == hf_tokens
+    assert runner.graph_runner.num_replays > 0
+
+
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("arch", list(MODELS))
 def test_chunked_prefill_across_the_window(arch, page_size, model_dir, hf_prompt):

@@ -36,6 +36,42 @@ pub fn exp_nonpositive(x: f32) -> f32 {
     y * scale
 }
 
+/// exp(x) - 1 for x <= 0, accurate near 0 too (no cancellation: for |x| < ln2/2 it is the
+/// reduced polynomial itself, without the 1 + that `exp_nonpositive` adds).
+#[inline(always)]
+pub fn expm1_nonpositive(x: f32) -> f32 {
+    #[allow(clippy::manual_clamp)]
+    let x = x.max(-87.0).min(0.0);
+    let n = (x * LOG2E + 0.5).floor();
+    let r = x - n * LN2_HI - n * LN2_LO;
+    let mut poly = P[0];
+    for c in &P[1..] {
+        poly = poly * r + c;
+    }
+    let small = poly * r * r + r; // exp(r) - 1
+                                  // SAFETY: as in `exp_nonpositive`.
+    let k = unsafe { n.to_int_unchecked::<i32>() };
+    let scale = f32::from_bits(((k + 127) as u32) << 23);
+    if n == 0.0 {
+        small
+    } else {
+        (small + 1.0) * scale - 1.0
+    }
+}
+
+/// `cap * tanh(s / cap)` of every score (a logit soft-cap), branch-free so that it vectorizes:
+/// tanh(|y|) = -m / (2 + m) with m = exp(-2|y|) - 1.
+#[inline(always)]
+pub fn soft_cap(row: &mut [f32], cap: f32) {
+    let inv = 1.0 / cap;
+    for s in row {
+        let y = *s * inv;
+        let m = expm1_nonpositive(-2.0 * y.abs());
+        let t = -m / (2.0 + m);
+        *s = cap * if y < 0.0 { -t } else { t };
+    }
+}
+
 /// Replaces `row` by `exp(row - top)` and returns the sum of the new values, where `top` is
 /// the largest of `row` and `sink`; a sink (an extra logit that weighs no value) adds its
 /// `exp(sink - top)` to the sum only.

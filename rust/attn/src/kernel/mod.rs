@@ -222,7 +222,7 @@ unsafe fn run_body<T: Elem, H: HeadDim, I: Isa>(
             for j in 0..per_kv {
                 let row = &mut scores[offsets[m] + j * len..][..len];
                 if logit_cap > 0.0 {
-                    cap_logits(row, logit_cap);
+                    exp::soft_cap(row, logit_cap);
                 }
                 let sink = sinks.map(|s| s[h * per_kv + j]);
                 sums.push(exp::softmax_numerators(row, sink));
@@ -261,15 +261,6 @@ unsafe fn run_body<T: Elem, H: HeadDim, I: Isa>(
                 }
             }
         }
-    }
-}
-
-/// `s -> cap * tanh(s / cap)` (Gemma 2's soft cap of the attention logits).
-#[inline(always)]
-fn cap_logits(row: &mut [f32], cap: f32) {
-    let inv = 1.0 / cap;
-    for s in row {
-        *s = cap * (*s * inv).tanh();
     }
 }
 

@@ -433,5 +433,29 @@ fn exp_is_accurate_on_the_softmax_range() {
     assert!(exp::exp_nonpositive(-1000.0) > 0.0);
 }
 
+#[test]
+fn soft_cap_is_accurate_everywhere() {
+    let cap = 30.0f32;
+    let mut worst_abs = 0f64; // in units of the cap
+    let mut worst_rel = 0f64;
+    for i in -200_000..=200_000 {
+        let s = i as f32 * 1e-3 * cap / 10.0; // s / cap in [-20, 20]
+        let mut row = [s];
+        exp::soft_cap(&mut row, cap);
+        let want = cap as f64 * (s as f64 / cap as f64).tanh();
+        let err = (row[0] as f64 - want).abs();
+        worst_abs = worst_abs.max(err / cap as f64);
+        if want != 0.0 {
+            worst_rel = worst_rel.max(err / want.abs());
+        }
+    }
+    assert!(worst_abs < 2e-7, "abs error {worst_abs}");
+    assert!(worst_rel < 1e-6, "rel error {worst_rel}");
+    let mut row = [0.0, -0.0, 1e-30, f32::INFINITY, f32::NEG_INFINITY];
+    exp::soft_cap(&mut row, 2.0);
+    assert_eq!(row[..3], [0.0, 0.0, 1e-30]);
+    assert_eq!(row[3..], [2.0, -2.0]);
+}
+
 mod ops;
 mod plan;
