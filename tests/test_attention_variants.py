@@ -133,3 +133,22 @@ def test_a_backend_refuses_a_variant_it_cannot_compute():
     model.append(RadixAttention(4, 16, 0.25, 2, 2, logit_cap=30.0))
     with pytest.raises(ValueError, match=r"cannot compute logit_cap \(layer 2\)"):
         PlainOnly(SimpleNamespace(model=model))
+
+
+@pytest.mark.parametrize("window", [None, 7])
+def test_written_out_softmax_in_small_chunks(monkeypatch, window):
+    """The capped/sink path in query chunks of 3 (each reading only the keys its rows see)
+    equals the one-chunk result, causal and windowed."""
+    from sglite.attention import attend
+
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(50, h, 16, generator=gen) for h in (8, 2, 2))
+    layer = layer_with(logit_cap=1.2, sinks=SINKS, sliding_window=window)
+    mask = None
+    if window is not None:  # a fresh 50-token prompt: one windowed piece
+        (piece,) = attend.plan_segment(0, 50, window)
+        mask = attend.piece_mask(piece, 0, window, "cpu")
+    whole = attend.attend_tokens(q, k, v, layer, mask, is_causal=mask is None)
+    monkeypatch.setattr(attend, "_MATH_CHUNK_ELEMS", 8 * 50 * 3)
+    chunked = attend.attend_tokens(q, k, v, layer, mask, is_causal=mask is None)
+    torch.testing.assert_close(chunked, whole, atol=1e-6, rtol=1e-6)

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from sglite.layers.radix_attention import RadixAttention
 
 # Largest score matrix (query rows x keys x heads) `_attend_math` builds at once.
-_MATH_CHUNK_ELEMS = 1 << 24
+_MATH_CHUNK_ELEMS = 1 << 22
 # Fewest queries per windowed piece (fewer, larger calls when W is tiny).
 _MIN_PIECE = 64
 
@@ -87,8 +87,7 @@ def attend_rows(
     if is_plain(layer):
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=layer.scaling)
     mask = mask.unsqueeze(-2) if mask is not None else None
-    out = _attend_math(q.unsqueeze(-2), keys.unsqueeze(2), values.unsqueeze(2), layer, mask)
-    return out.squeeze(-2)
+    return _attend_math(q.unsqueeze(-2), keys, values, layer, mask).squeeze(-2)
 
 
 def attend_tokens(
@@ -117,36 +116,53 @@ def attend_tokens(
     m, num_heads, d = q.shape
     num_kv = keys.shape[1]
     q5 = q.view(m, num_kv, num_heads // num_kv, d).permute(1, 2, 0, 3).unsqueeze(0)
-    k5 = keys.transpose(0, 1)[None, :, None]
-    v5 = values.transpose(0, 1)[None, :, None]
-    out = _attend_math(q5, k5, v5, layer, mask)  # [1, KVH, G, M, D]
+    k4, v4 = keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0)
+    out = _attend_math(q5, k4, v4, layer, mask)  # [1, KVH, G, M, D]
     return out[0].permute(2, 0, 1, 3).reshape(m, num_heads, d)
 
 
 def _attend_math(q, keys, values, layer: RadixAttention, mask) -> torch.Tensor:
-    """q `[B, KVH, G, M, D]`, keys/values `[B, KVH, 1, N, D]`, mask broadcastable to
-    `[B, KVH, G, M, N]` or None; the scores in float32, capped, masked, with the sink."""
+    """q `[B, KVH, G, M, D]`, keys/values `[B, KVH, N, D]`, mask broadcastable to
+    `[B, KVH, G, M, N]` or None; the scores in float32, capped, masked, with the sink.
+    The G query heads of a KV head multiply its keys as one `[G * M, D]` matrix (no copy
+    of K/V per query head).
+
+    Query chunks bound the score matrix; with a `[M, N]` mask (one request's tokens) each
+    chunk reads only the span of keys its rows see (a causal chunk skips the keys after
+    its last query, a windowed one those before its first)."""
     m, n = q.shape[-2], keys.shape[-2]
     step = max(1, _MATH_CHUNK_ELEMS // max(1, n * q[..., 0, 0].numel()))
     sinks = None
     if layer.sinks is not None:  # [H] -> [1, KVH, G, 1, 1], H = KVH * G
         sinks = layer.sinks.detach().float().view(1, *q.shape[1:3], 1, 1)
-    keys_t, values = keys.float().transpose(-1, -2), values.float()
-    outs = []
+    keys, values = keys.float(), values.float()
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     for lo in range(0, m, step):
         hi = min(m, lo + step)
-        scores = torch.matmul(q[..., lo:hi, :].float(), keys_t) * layer.scaling
-        if layer.logit_cap:
-            scores = torch.tanh(scores / layer.logit_cap) * layer.logit_cap
+        part, k_lo, k_hi = None, 0, n
         if mask is not None:
             part = mask[..., lo:hi, :] if mask.shape[-2] == m else mask
-            scores = scores.masked_fill(~part, float("-inf"))
+            if part.dim() == 2:
+                seen = part.any(0).nonzero()
+                if seen.numel():
+                    k_lo, k_hi = int(seen[0]), int(seen[-1]) + 1
+                    part = part[:, k_lo:k_hi]
+        chunk_k, chunk_v = keys[..., k_lo:k_hi, :], values[..., k_lo:k_hi, :]
+        q_chunk = q[..., lo:hi, :].float()
+        stacked = q_chunk.reshape(*q.shape[:2], -1, q.shape[-1])  # [B, KVH, G * c, D]
+        scores = torch.matmul(stacked, chunk_k.transpose(-1, -2))
+        scores = scores.view(*q_chunk.shape[:-1], k_hi - k_lo).mul_(layer.scaling)
+        if layer.logit_cap:
+            scores.div_(layer.logit_cap).tanh_().mul_(layer.logit_cap)
+        if part is not None:
+            scores.masked_fill_(~part, float("-inf"))
         top = scores.amax(-1, keepdim=True)
         if sinks is not None:
             top = torch.maximum(top, sinks)
-        weights = torch.exp(scores - top)
+        weights = scores.sub_(top).exp_()
         denom = weights.sum(-1, keepdim=True)
         if sinks is not None:
-            denom = denom + torch.exp(sinks - top)
-        outs.append(torch.matmul(weights / denom, values).to(q.dtype))
-    return torch.cat(outs, dim=-2)
+            denom += torch.exp(sinks - top)
+        weights = weights.div_(denom).view(*stacked.shape[:-1], k_hi - k_lo)
+        out[..., lo:hi, :] = torch.matmul(weights, chunk_v).view(q_chunk.shape)
+    return out
