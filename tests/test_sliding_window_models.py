@@ -31,28 +31,13 @@ def model_dir(tiny_model_dir):
 
 
 @pytest.fixture(scope="module")
-def hf_model(model_dir):
-    from transformers import AutoModelForCausalLM
-
-    cache = {}
-
-    def get(arch: str):
-        if arch not in cache:
-            model = AutoModelForCausalLM.from_pretrained(model_dir(arch), dtype=torch.float32)
-            cache[arch] = model.eval()
-        return cache[arch]
-
-    return get
-
-
-@pytest.fixture(scope="module")
-def hf_prompt(hf_model):
+def hf_prompt(tiny_hf_model):
     """transformers' logits of every PROMPT position, and its 12 greedy tokens after it."""
     cache = {}
 
     def get(arch: str):
         if arch not in cache:
-            hf = hf_model(arch)
+            hf = tiny_hf_model(arch, **MODELS[arch])
             with torch.no_grad():
                 logits = hf(torch.tensor([PROMPT])).logits[0].float()
             cache[arch] = logits, hf_greedy(hf, PROMPT, 12)
