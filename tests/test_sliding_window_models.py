@@ -5,7 +5,9 @@ its later layers only (`max_window_layers`: full, sliding, sliding), on fragment
 allocators (page sizes 1 and 16), on each attention backend: prefill logits within 1e-4
 of transformers' and greedy tokens equal to its greedy output; the same prompt prefilled
 in chunks across the window boundary; a request reusing a cached prefix (the radix cache's
-case) equal to the cold run. And how the per-layer windows are read from HF configs.
+case) equal to the cold run; the real scheduler (chunked prefill, radix cache, eviction,
+retraction) giving transformers' greedy tokens. And how the per-layer windows are read
+from HF configs.
 """
 
 from __future__ import annotations
@@ -211,3 +213,35 @@ def test_configs_sglite_cannot_attend_are_refused():
         _layer_sliding_windows(hybrid, 2)
     with pytest.raises(ValueError, match="2 entries for 3 layers"):
         _layer_sliding_windows(hybrid, 3)
+
+
+# ---------------------------------------------------------------- through the scheduler
+
+
+@pytest.fixture(scope="module")
+def scheduler_workload(model_dir):
+    """16 requests (half sharing 64-token system prompts) and transformers' greedy tokens."""
+    from transformers import AutoConfig
+
+    from test_scheduler_model import hf_reference, make_workload
+
+    path = model_dir("mistral")
+    reqs = make_workload(AutoConfig.from_pretrained(path).vocab_size, seed=3)[:16]
+    return path, reqs, hf_reference(path, reqs)
+
+
+@pytest.mark.parametrize("page_size,mixed", [(1, False), (16, True)], ids=["p1", "p16-mixed"])
+def test_scheduler_greedy_tokens_match_transformers(core, scheduler_workload, page_size, mixed):
+    """The real scheduler on the windowed Mistral: 32-token prefill chunks (each crossing
+    the window of 8), 64-token shared system prompts from the radix cache, eviction and
+    retraction under a small pool; every request's greedy tokens are transformers'."""
+    from test_scheduler_model import run_engine
+
+    path, reqs, expected = scheduler_workload
+    got, sched = run_engine(
+        core, path, reqs, page_size=page_size, policy="lpm", overlap=False, mixed=mixed
+    )
+    for rid, _, _ in reqs:
+        assert got[rid] == expected[rid], f"{rid} differs from transformers"
+    assert sched.counters["num_chunks"] > 0, "the workload must chunk"
+    assert sched.counters["num_cached_tokens_total"] > 0, "shared prefixes must hit the cache"
