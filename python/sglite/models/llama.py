@@ -112,8 +112,9 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, eps, dtype=dtype, device=device)
         self.rotary_emb = rotary_emb
         self.attn = RadixAttention(
-            self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, layer_id
-        )
+            self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, layer_id,
+            sliding_window=config.sliding_window_for(layer_id),
+        )  # fmt: skip
 
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch
@@ -308,4 +309,5 @@ class LlamaForCausalLM(nn.Module):
 
 
 class MistralForCausalLM(LlamaForCausalLM):
-    """Mistral is Llama's graph (sliding window handled by capping the context)."""
+    """Mistral is Llama's graph; its `sliding_window` applies to every layer (the attention
+    backends attend it: `ModelConfig.layer_sliding_windows`)."""

@@ -38,6 +38,39 @@ def _rope(hf: Any) -> tuple[float, dict[str, Any] | None]:
     return float(theta if theta is not None else 10000.0), scaling
 
 
+def _layer_sliding_windows(hf: Any, num_layers: int) -> tuple[int | None, ...]:
+    """Each layer's sliding window (None: full attention), as transformers attends it.
+
+    A config class that declares `layer_types` (Qwen2/3, Gemma 2/3, ...) names each layer
+    "sliding_attention" (window `sliding_window`) or "full_attention"; one that does not
+    (Mistral) gives every layer its `sliding_window`, or, with `max_window_layers` (older
+    Qwen2 configs), the layers from that index on. `use_sliding_window: false` turns every
+    window off."""
+    window = getattr(hf, "sliding_window", None)
+    if getattr(hf, "use_bidirectional_attention", False):
+        raise ValueError(
+            "use_bidirectional_attention=True (a bidirectional encoder, e.g. EmbeddingGemma) "
+            "is not supported: sglite serves causal language models"
+        )
+    if not window or getattr(hf, "use_sliding_window", True) is False:
+        return (None,) * num_layers
+    window = int(window)
+    layer_types = getattr(hf, "layer_types", None) if hasattr(type(hf), "layer_types") else None
+    if layer_types is None:
+        first = int(getattr(hf, "max_window_layers", None) or 0)
+        return tuple(window if i >= first else None for i in range(num_layers))
+    if len(layer_types) != num_layers:
+        raise ValueError(f"layer_types has {len(layer_types)} entries for {num_layers} layers")
+    kinds = {"sliding_attention": window, "full_attention": None}
+    unknown = sorted(set(layer_types) - set(kinds))
+    if unknown:
+        raise ValueError(
+            f"layer_types {unknown} are not supported (sglite attends "
+            "sliding_attention and full_attention layers)"
+        )
+    return tuple(kinds[t] for t in layer_types)
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     architecture: str
@@ -60,7 +93,13 @@ class ModelConfig:
     bos_token_id: int | None
     torch_dtype: str | None
     sliding_window: int | None = None
+    # One per layer: its sliding window, None for full attention (empty: none anywhere).
+    layer_sliding_windows: tuple[int | None, ...] = ()
     hf_config: Any = field(default=None, repr=False, compare=False)
+
+    def sliding_window_for(self, layer_id: int) -> int | None:
+        """Layer `layer_id`'s sliding window (None: full attention)."""
+        return self.layer_sliding_windows[layer_id] if self.layer_sliding_windows else None
 
     @classmethod
     def from_pretrained(
@@ -114,5 +153,6 @@ class ModelConfig:
             bos_token_id=getattr(hf, "bos_token_id", None),
             torch_dtype=str(dtype).removeprefix("torch.") if dtype is not None else None,
             sliding_window=sliding,
+            layer_sliding_windows=_layer_sliding_windows(hf, hf.num_hidden_layers),
             hf_config=hf,
         )
