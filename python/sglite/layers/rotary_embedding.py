@@ -20,9 +20,13 @@ Length-dependent types pick table rows per request (`lookup`, once per forward):
 - `dynamic`: a request longer than the model's `max_position_embeddings` gets rows computed
   for its length (a larger base); shorter ones read the plain table.
 Keys already in the KV cache keep the rotation they were stored with, as in transformers'
-`generate` with a cache: a prompt that crosses the boundary only within chunked prefill, or
-a cached prefix reused by a longer request, differs from transformers' one-shot forward of
-the whole prompt, which rotates every token by the final length.
+forward stepping its own cache (and its `generate` for dynamic; for Phi-3's longrope,
+`generate` recomputes the whole cache once the length first passes the original one, which a
+server sharing cached prefixes across requests does not). So a request that crosses the
+boundary while decoding, a prompt that crosses it only within chunked prefill, or a cached
+prefix reused by a longer request, differs from transformers' one-shot forward of the whole
+sequence, which rotates every token by the final length. Requests that stay on one side
+match it exactly.
 """
 
 from __future__ import annotations
@@ -71,8 +75,9 @@ def rotary_permutation(head_dim: int, rotary_dim: int, interleaved: bool) -> tor
 
 def permute_heads(t: torch.Tensor, perm: torch.Tensor, head_dim: int, dim: int) -> torch.Tensor:
     """`t` with the dims of each head (consecutive runs of `head_dim` along `dim`) permuted."""
+    dim %= t.dim()
     heads = t.unflatten(dim, (-1, head_dim))
-    return heads.index_select(dim + 1 if dim >= 0 else dim, perm).flatten(dim, dim + 1)
+    return heads.index_select(dim + 1, perm).flatten(dim, dim + 1)
 
 
 def _table(inv_freq: torch.Tensor, positions: torch.Tensor, half: int, scale: float):
