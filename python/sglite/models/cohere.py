@@ -14,13 +14,11 @@ class CohereForCausalLM(DecoderForCausalLM):
     def decoder_spec(cls, f: ConfigFields) -> DecoderSpec:
         norm = f.norm("layer_nobias", "layer_norm_eps")
         qk_norm = QKNormSpec("head_weights", norm) if f.get("use_qk_norm", False) else None
-        bias = bool(f.get("attention_bias", False))
         return DecoderSpec(
             norm=norm,
             act=f.act(),
             layout="parallel",
-            qkv_bias=bias,
-            o_bias=bias,
+            **f.attention_biases(),
             qk_norm=qk_norm,
             rope_interleaved=True,
             logit_scale=float(f.require("logit_scale")),

@@ -93,6 +93,11 @@ class ConfigFields:
         if value is not None and value != neutral:
             self.refuse(name, value, why)
 
+    def attention_biases(self) -> dict[str, bool]:
+        """`attention_bias` on Q/K/V and o_proj alike (Llama and most families)."""
+        bias = bool(self.get("attention_bias", False))
+        return dict(qkv_bias=bias, o_bias=bias)
+
     def act(self, name: str = "hidden_act") -> str:
         value = self.require(name)
         try:

@@ -11,12 +11,10 @@ class GemmaForCausalLM(DecoderForCausalLM):
     @classmethod
     def decoder_spec(cls, f: ConfigFields) -> DecoderSpec:
         f.expect("use_bidirectional_attention", False, "sglite's attention is causal")
-        bias = bool(f.get("attention_bias", False))
         return DecoderSpec(
             norm=f.norm("rms_offset", "rms_norm_eps"),
             act=f.act(),
-            qkv_bias=bias,
-            o_bias=bias,
+            **f.attention_biases(),
             embed_scale=f.config.hidden_size**0.5,
             embed_scale_in_dtype=True,
         )

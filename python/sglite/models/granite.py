@@ -5,18 +5,14 @@ from __future__ import annotations
 
 from sglite.models.causal_lm import DecoderForCausalLM
 from sglite.models.decoder_spec import ConfigFields, DecoderSpec
+from sglite.models.llama import llama_spec
 
 
 class GraniteForCausalLM(DecoderForCausalLM):
     @classmethod
     def decoder_spec(cls, f: ConfigFields) -> DecoderSpec:
-        bias = bool(f.get("attention_bias", False))
-        return DecoderSpec(
-            norm=f.norm("rms", "rms_norm_eps"),
-            act=f.act(),
-            qkv_bias=bias,
-            o_bias=bias,
-            mlp_bias=bool(f.get("mlp_bias", False)),
+        return llama_spec(
+            f,
             embed_scale=float(f.require("embedding_multiplier")),
             residual_scale=float(f.require("residual_multiplier")),
             attn_scale=float(f.require("attention_multiplier")),

@@ -19,12 +19,11 @@ POST_NORMS = {
 class OlmoForCausalLM(DecoderForCausalLM):
     @classmethod
     def decoder_spec(cls, f: ConfigFields) -> DecoderSpec:
-        bias, clip = bool(f.get("attention_bias", False)), f.get("clip_qkv")
+        clip = f.get("clip_qkv")
         return DecoderSpec(
             norm=NormSpec("layer_noparam", 1e-5),
             act=f.act(),
-            qkv_bias=bias,
-            o_bias=bias,
+            **f.attention_biases(),
             clip_qkv=None if clip is None else float(clip),
         )
 
@@ -34,12 +33,11 @@ class Olmo2ForCausalLM(DecoderForCausalLM):
 
     @classmethod
     def decoder_spec(cls, f: ConfigFields) -> DecoderSpec:
-        norm, bias = f.norm("rms", "rms_norm_eps"), bool(f.get("attention_bias", False))
+        norm = f.norm("rms", "rms_norm_eps")
         return DecoderSpec(
             norm=norm,
             act=f.act(),
             layout="post",
-            qkv_bias=bias,
-            o_bias=bias,
+            **f.attention_biases(),
             qk_norm=QKNormSpec("proj", norm),
         )

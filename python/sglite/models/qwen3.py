@@ -10,7 +10,7 @@ from sglite.models.decoder_spec import ConfigFields, DecoderSpec
 class Qwen3ForCausalLM(DecoderForCausalLM):
     @classmethod
     def decoder_spec(cls, f: ConfigFields) -> DecoderSpec:
-        norm, bias = f.norm("rms", "rms_norm_eps"), bool(f.get("attention_bias", False))
+        norm = f.norm("rms", "rms_norm_eps")
         return DecoderSpec(
-            norm=norm, act=f.act(), qkv_bias=bias, o_bias=bias, qk_norm=QKNormSpec("head", norm)
+            norm=norm, act=f.act(), **f.attention_biases(), qk_norm=QKNormSpec("head", norm)
         )

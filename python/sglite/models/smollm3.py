@@ -4,17 +4,13 @@ from __future__ import annotations
 
 from sglite.models.causal_lm import DecoderForCausalLM
 from sglite.models.decoder_spec import ConfigFields, DecoderSpec
+from sglite.models.llama import llama_spec
 
 
 class SmolLM3ForCausalLM(DecoderForCausalLM):
     @classmethod
     def decoder_spec(cls, f: ConfigFields) -> DecoderSpec:
-        bias = bool(f.get("attention_bias", False))
-        return DecoderSpec(
-            norm=f.norm("rms", "rms_norm_eps"),
-            act=f.act(),
-            qkv_bias=bias,
-            o_bias=bias,
-            mlp_bias=bool(f.get("mlp_bias", False)),
-            rope_layers=tuple(bool(x) for x in f.require("no_rope_layers")),
+        return llama_spec(
+            f,
+            rope_layers=tuple(bool(x) for x in f.require("no_rope_layers"))[: f.config.num_layers],
         )
