@@ -219,3 +219,63 @@ def test_dynamic_ntk_past_the_model_length_matches_transformers(tiny_model_dir):
     tokens, logits = _greedy(driver, prompt, 8)
     torch.testing.assert_close(torch.stack(logits), torch.stack(ref_logits), atol=ATOL, rtol=0)
     assert tokens == expected
+
+
+def test_engine_logprobs_and_structured_output_on_gemma(core, tiny_model_dir, hf_model):
+    """A new family through the whole engine (scheduler, tree core, detokenizer): Gemma's
+    log-probs equal transformers' log-softmax, and a JSON schema and a regex constrain it."""
+    import json
+
+    import jsonschema
+
+    import sglite
+
+    schema = {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "pattern": "^[A-Z][a-z]{1,8}$"},
+            "n": {"type": "integer", "minimum": 0, "maximum": 999},
+        },
+        "required": ["city", "n"],
+    }
+    prompt, steps = PROMPT[:24], 6
+    with sglite.Engine(
+        model_path=str(tiny_model_dir("gemma")),
+        tree_core=core.name,
+        max_total_tokens=2048,
+        log_level="warning",
+    ) as engine:
+        greedy = {"max_new_tokens": steps, "temperature": 0, "ignore_eos": True}
+        out = engine.generate(
+            input_ids=prompt,
+            sampling_params=greedy,
+            return_logprob=True,
+            logprob_start_len=0,
+            top_logprobs_num=2,
+        )
+        structured = engine.generate(
+            ["The river town", "Fishermen"],
+            {
+                "max_new_tokens": 60,
+                "temperature": 0.9,
+                "seed": 3,
+                "json_schema": json.dumps(schema),
+            },
+        )
+        regex = engine.generate("x", {"regex": "(town|bread) at 7", "temperature": 0})
+    tokens, ref_logits = _hf_generate(hf_model("gemma"), prompt, steps)
+    assert out["output_ids"] == tokens
+    meta = out["meta_info"]
+    for (logprob, token, _), logits in zip(meta["output_token_logprobs"], ref_logits):
+        assert abs(logprob - logits.log_softmax(-1)[token].item()) < 5e-4
+    ref_in = _hf_logits(hf_model("gemma"), prompt).log_softmax(-1)
+    assert meta["input_token_logprobs"][0][0] is None
+    for i, (logprob, token, _) in enumerate(meta["input_token_logprobs"][1:], start=1):
+        assert token == prompt[i] and abs(logprob - ref_in[i - 1, token].item()) < 5e-4
+    assert [t for _, t, _ in meta["output_top_logprobs"][0]] == ref_logits[0].topk(
+        2
+    ).indices.tolist()
+    for item in structured:
+        assert item["meta_info"]["finish_reason"]["type"] == "stop", item
+        jsonschema.validate(json.loads(item["text"]), schema)
+    assert regex["text"] in ("town at 7", "bread at 7")
