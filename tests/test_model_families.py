@@ -279,3 +279,44 @@ def test_engine_logprobs_and_structured_output_on_gemma(core, tiny_model_dir, hf
         assert item["meta_info"]["finish_reason"]["type"] == "stop", item
         jsonschema.validate(json.loads(item["text"]), schema)
     assert regex["text"] in ("town at 7", "bread at 7")
+
+
+# Gemma's template shape: user/model turns, and no system role (the template raises on one)
+GEMMA_STYLE_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}"
+    "{% if m['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+    "<start_of_turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n"
+    "{{ m['content'] }}<end_of_turn>\n{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+
+
+def test_gemma_chat_without_a_system_role_is_a_400_not_a_500(tiny_model_dir, tmp_path):
+    import shutil
+
+    import httpx
+    from transformers import AutoTokenizer
+
+    from fixtures.serving import start_server
+
+    model = tmp_path / "gemma"
+    shutil.copytree(tiny_model_dir("gemma"), model)
+    tok = AutoTokenizer.from_pretrained(str(model))
+    tok.chat_template = GEMMA_STYLE_TEMPLATE
+    tok.save_pretrained(str(model))
+    args = ["--model-path", str(model), "--max-total-tokens", "2048", "--served-model-name", "g"]
+    server = start_server(args, tmp_path / "server.log", fake=False)
+    try:
+        chat = server.url + "/v1/chat/completions"
+        user = {"role": "user", "content": "Where is the river?"}
+        body = {"model": "g", "max_tokens": 4, "temperature": 0}
+        ok = httpx.post(chat, json={**body, "messages": [user]}, timeout=60)
+        assert ok.status_code == 200, ok.text
+        assert ok.json()["usage"]["completion_tokens"] == 4
+        system = {"role": "system", "content": "Be brief."}
+        bad = httpx.post(chat, json={**body, "messages": [system, user]}, timeout=60)
+        assert bad.status_code == 400, bad.text
+        message = bad.json()["error"]["message"]
+        assert "chat template rejected" in message and "System role not supported" in message
+    finally:
+        assert server.stop() == 0, server.log()
