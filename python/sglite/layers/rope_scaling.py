@@ -140,15 +140,25 @@ def longrope_inv_freq(
     return sets[0], sets[1], float(attention)
 
 
+def dynamic_exponents(rotary_dim: int) -> torch.Tensor:
+    """The `2i / rotary_dim` that `dynamic_inv_freq` raises the base to."""
+    return _exponents(rotary_dim)
+
+
 def dynamic_inv_freq(
-    rotary_dim: int, base: float, factor: float, max_positions: int, seq_lens: torch.Tensor
+    rotary_dim: int,
+    base: float,
+    factor: float,
+    max_positions: int,
+    seq_lens: torch.Tensor,
+    exponents: torch.Tensor,
 ) -> torch.Tensor:
     """Dynamic NTK: `[T, rotary_dim / 2]` inverse frequencies for tokens of requests of
-    length `seq_lens` `[T]`; the base grows with a length past `max_positions`, and a
-    shorter request keeps the plain frequencies."""
-    lens = seq_lens.to(torch.float32).clamp(min=max_positions)
-    scaled = base * ((factor * lens / max_positions) - (factor - 1)) ** (
+    length `seq_lens` `[T]`: the base grows with a length past `max_positions`; a shorter
+    request gets the plain frequencies. Tensor ops only (a CUDA graph may capture them)."""
+    lens = seq_lens.to(torch.float32)
+    scaled = base * ((factor * lens.clamp(min=max_positions) / max_positions) - (factor - 1)) ** (
         rotary_dim / (rotary_dim - 2)
     )
-    exponents = _exponents(rotary_dim).to(seq_lens.device)
+    scaled = torch.where(lens > max_positions, scaled, torch.full_like(scaled, base))
     return 1.0 / (scaled[:, None] ** exponents[None, :])

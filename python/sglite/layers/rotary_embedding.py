@@ -40,7 +40,7 @@ from sglite.layers import cpu_ops
 from sglite.layers.rope_scaling import (
     ROPE_TYPES,
     check_rope_type,
-    default_inv_freq,
+    dynamic_exponents,
     dynamic_inv_freq,
     longrope_inv_freq,
     rope_type_of,
@@ -141,6 +141,9 @@ class RotaryEmbedding(nn.Module):
             table = _table(inv, positions, half, scale)
         self.max_position = max_position
         self.register_buffer("cos_sin", table.to(dtype=dtype, device=device), persistent=False)
+        if self.rope_type == "dynamic":
+            exps = dynamic_exponents(rotary_dim).to(device)
+            self.register_buffer("exponents", exps, persistent=False)
 
     def lookup(
         self, positions: torch.Tensor, batch: ForwardBatch | None = None
@@ -150,13 +153,10 @@ class RotaryEmbedding(nn.Module):
             is_long = token_seq_lens(batch) > self.long_after
             return positions + is_long.to(positions.dtype) * self.max_position, self.cos_sin
         if self.rope_type == "dynamic" and batch is not None:
-            lens = token_seq_lens(batch)
-            factor = float(self.params["factor"])
+            factor, lens = float(self.params["factor"]), token_seq_lens(batch)
             inv = dynamic_inv_freq(
-                self.rotary_dim, self.base, factor, self.model_max_positions, lens
+                self.rotary_dim, self.base, factor, self.model_max_positions, lens, self.exponents
             )
-            plain = default_inv_freq(self.rotary_dim, self.base).to(inv.device)
-            inv = torch.where((lens > self.model_max_positions)[:, None], inv, plain)
             rows = _table(inv, positions, self.head_dim // 2, 1.0).to(self.cos_sin.dtype)
             return torch.arange(positions.shape[0], device=positions.device), rows
         return positions, self.cos_sin
