@@ -161,9 +161,11 @@ def test_bad_sizes_raise_instead_of_writing():
     with pytest.raises(ValueError, match="rows of the weight"):
         core.rms_norm(raw(x), None, raw(torch.ones(3)), raw(out), 1e-6, "float32", 1)
     with pytest.raises(ValueError, match="float32 or bfloat16"):
-        core.silu_and_mul(raw(x), raw(out), 4, "float16", 1)
+        core.gated_mul(raw(x), raw(out), 4, "silu", "float16", 1)
     with pytest.raises(ValueError, match="must be"):
-        core.silu_and_mul(raw(x), raw(out), 4, "float32", 1)
+        core.gated_mul(raw(x), raw(out), 4, "silu", "float32", 1)
+    with pytest.raises(ValueError, match="not silu or gelu_tanh"):
+        core.gated_mul(raw(x), raw(out), 4, "relu", "float32", 1)
     table = torch.zeros(10, 16)
     with pytest.raises(ValueError, match="outside the table"):
         pos = torch.tensor([3, 10])

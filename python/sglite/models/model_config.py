@@ -1,8 +1,11 @@
 """ModelConfig: the architecture facts sglite needs, read once from an HF folder's config.
 
 Reads `config.json` through transformers' AutoConfig and accepts both config generations:
-transformers 4.x (`rope_theta` and `rope_scaling` at the top level) and 5.x (both inside
-`rope_parameters`). EOS ids are the union of the config's and `generation_config.json`'s.
+transformers 4.x (`rope_theta`, `rope_scaling` and `partial_rotary_factor` at the top level)
+and 5.x (inside `rope_parameters`). EOS ids are the union of the config's and
+`generation_config.json`'s. These are the fields every decoder has (a missing one is a named
+error); what only some families have (norm epsilon and kind, biases, multipliers, ...) each
+family reads from `hf_config` into its DecoderSpec (sglite.models.decoder_spec).
 """
 
 from __future__ import annotations

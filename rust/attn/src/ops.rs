@@ -1,6 +1,6 @@
 //! The decoder layer's element-wise steps on the CPU, each one pass over memory: the residual
-//! add fused with RMSNorm, SiLU(gate) * up and GELU(gate) * up, and the rotary embedding of
-//! q and k.
+//! add fused with RMSNorm, act(gate) * up (SiLU or the tanh GELU), and the rotary embedding
+//! of q and k.
 //!
 //! torch runs each of these as three to six ops (and as many passes and temporaries); on a
 //! decode step their dispatch, not their arithmetic, is what costs (about 9 ms of a 100 ms
@@ -178,50 +178,68 @@ fn norm_row<T: Elem>(x: &[T], weight: &[T], out: &mut [T], eps: f32) {
     }
 }
 
-/// `out[r] = silu(x[r, :d]) * x[r, d:]` for rows of `2d` elements (`out`: rows of `d`).
-pub fn silu_and_mul<T: Elem>(
-    x: &[T],
-    out: &mut [T],
-    d: usize,
-    threads: usize,
-) -> Result<(), AttnError> {
-    gated_mul("silu_and_mul", x, out, d, threads, silu)
+/// The activation on the gate of a gated MLP.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Gate {
+    /// SwiGLU's `x * sigmoid(x)`.
+    Silu,
+    /// GeGLU's tanh GELU (torch's `gelu(approximate="tanh")`).
+    GeluTanh,
 }
 
-/// `out[r] = gelu_tanh(x[r, :d]) * x[r, d:]` (GeGLU; torch's `gelu(approximate="tanh")`).
-pub fn gelu_tanh_and_mul<T: Elem>(
-    x: &[T],
-    out: &mut [T],
-    d: usize,
-    threads: usize,
-) -> Result<(), AttnError> {
-    gated_mul("gelu_tanh_and_mul", x, out, d, threads, gelu_tanh)
+impl Gate {
+    pub fn from_name(name: &str) -> Result<Gate, AttnError> {
+        match name {
+            "silu" => Ok(Gate::Silu),
+            "gelu_tanh" => Ok(Gate::GeluTanh),
+            _ => err(format!(
+                "gated_mul: activation {name:?} is not silu or gelu_tanh"
+            )),
+        }
+    }
 }
 
-fn gated_mul<T: Elem, A: Fn(f32) -> f32 + Sync>(
-    name: &str,
+/// `out[r] = gate(x[r, :d]) * x[r, d:]` for rows of `2d` elements (`out`: rows of `d`).
+pub fn gated_mul<T: Elem>(
+    gate: Gate,
     x: &[T],
     out: &mut [T],
     d: usize,
     threads: usize,
-    act: A,
 ) -> Result<(), AttnError> {
     if d == 0 || !out.len().is_multiple_of(d) || x.len() != 2 * out.len() {
         return err(format!(
-            "{name}: x has {} elements and out {}; they must be [rows, {}] and [rows, {d}]",
+            "gated_mul: x has {} elements and out {}; they must be [rows, {}] and [rows, {d}]",
             x.len(),
             out.len(),
             2 * d
         ));
     }
-    let rows = out.len() / d;
-    let job = GatedJob {
-        x,
-        out: Shared(out.as_mut_ptr()),
-        d,
-        act,
-    };
-    for_rows(rows, 2 * d, threads, &job);
+    let (rows, out) = (out.len() / d, Shared(out.as_mut_ptr()));
+    match gate {
+        Gate::Silu => for_rows(
+            rows,
+            2 * d,
+            threads,
+            &GatedJob {
+                x,
+                out,
+                d,
+                act: silu,
+            },
+        ),
+        Gate::GeluTanh => for_rows(
+            rows,
+            2 * d,
+            threads,
+            &GatedJob {
+                x,
+                out,
+                d,
+                act: gelu_tanh,
+            },
+        ),
+    }
     Ok(())
 }
 
