@@ -23,7 +23,7 @@ CASES["llama_gelu"] = ("llama", {"config": {"hidden_act": "gelu"}})
 PAGE_SIZES = (1, 16)
 ATOL = 1e-4
 CHUNKS = (13, 29)  # the prompt's chunk boundaries in the chunked prefill
-DECODE_STEPS = 20
+DECODE_STEPS = 12
 
 
 def _prompt(n: int, seed: int = 0) -> list[int]:
@@ -47,6 +47,21 @@ def hf_model(tiny_model_dir):
             model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
             model.generation_config.eos_token_id = None  # decode the full length
             cache[name] = model
+        return cache[name]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def hf_ref(hf_model):
+    """transformers' reference for PROMPT, once per case: (prompt logits, generate's tokens,
+    generate's logits)."""
+    cache = {}
+
+    def get(name: str):
+        if name not in cache:
+            hf = hf_model(name)
+            cache[name] = (_hf_logits(hf, PROMPT), *_hf_generate(hf, PROMPT, DECODE_STEPS))
         return cache[name]
 
     return get
@@ -120,8 +135,8 @@ def _greedy(driver: Driver, prompt: list[int], steps: int) -> tuple[list[int], l
 
 @pytest.mark.parametrize("page_size", PAGE_SIZES)
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_prefill_one_shot_and_chunked_match_transformers(name, page_size, runner, hf_model):
-    driver, ref = Driver(runner(name, page_size)), _hf_logits(hf_model(name), PROMPT)
+def test_prefill_one_shot_and_chunked_match_transformers(name, page_size, runner, hf_ref):
+    driver, ref = Driver(runner(name, page_size)), hf_ref(name)[0]
     assert ref.std() > 0.1, "degenerate model: the test would not catch much"
     seq = driver.new_seq()
     logits = driver.extend([seq], [PROMPT], return_all_logits=True)
@@ -138,8 +153,8 @@ def test_prefill_one_shot_and_chunked_match_transformers(name, page_size, runner
 
 @pytest.mark.parametrize("page_size", PAGE_SIZES)
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_prefill_over_a_warm_prefix_matches_transformers(name, page_size, runner, hf_model):
-    driver, ref = Driver(runner(name, page_size)), _hf_logits(hf_model(name), PROMPT)
+def test_prefill_over_a_warm_prefix_matches_transformers(name, page_size, runner, hf_ref):
+    driver, ref = Driver(runner(name, page_size)), hf_ref(name)[0]
     cold = driver.new_seq()
     driver.extend([cold], [PROMPT])
     half = 16 if page_size == 16 else 19  # cached prefixes are whole pages
@@ -153,8 +168,8 @@ def test_prefill_over_a_warm_prefix_matches_transformers(name, page_size, runner
 
 @pytest.mark.parametrize("page_size", PAGE_SIZES)
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_greedy_decode_matches_transformers_generate(name, page_size, runner, hf_model):
-    expected, ref_logits = _hf_generate(hf_model(name), PROMPT, DECODE_STEPS)
+def test_greedy_decode_matches_transformers_generate(name, page_size, runner, hf_ref):
+    _, expected, ref_logits = hf_ref(name)
     tokens, logits = _greedy(Driver(runner(name, page_size)), PROMPT, DECODE_STEPS)
     for step, (got, want) in enumerate(zip(logits, ref_logits)):
         torch.testing.assert_close(got, want, atol=ATOL, rtol=0, msg=f"step {step}")
