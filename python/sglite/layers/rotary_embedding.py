@@ -38,20 +38,15 @@ from torch import nn
 
 from sglite.layers import cpu_ops
 from sglite.layers.rope_scaling import (
-    ROPE_TYPES,
     check_rope_type,
     dynamic_exponents,
     dynamic_inv_freq,
     longrope_inv_freq,
-    rope_type_of,
     static_inv_freq,
 )
 
 if TYPE_CHECKING:
     from sglite.model_executor.forward_batch import ForwardBatch
-
-SUPPORTED_ROPE_TYPES = ROPE_TYPES
-__all__ = ["SUPPORTED_ROPE_TYPES", "RotaryEmbedding", "rope_type_of", "rotary_permutation"]
 
 
 def rotary_pairs(rotary_dim: int) -> int:
