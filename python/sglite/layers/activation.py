@@ -97,10 +97,3 @@ class SiluAndMul(GatedActivation):
 
     def __init__(self) -> None:
         super().__init__("silu")
-
-
-class GeluAndMul(GatedActivation):
-    """GeGLU's `gelu_tanh(gate) * up` (Gemma)."""
-
-    def __init__(self) -> None:
-        super().__init__("gelu_pytorch_tanh")
