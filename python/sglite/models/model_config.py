@@ -1,8 +1,11 @@
 """ModelConfig: the architecture facts sglite needs, read once from an HF folder's config.
 
 Reads `config.json` through transformers' AutoConfig and accepts both config generations:
-transformers 4.x (`rope_theta` and `rope_scaling` at the top level) and 5.x (both inside
-`rope_parameters`). EOS ids are the union of the config's and `generation_config.json`'s.
+transformers 4.x (`rope_theta`, `rope_scaling` and `partial_rotary_factor` at the top level)
+and 5.x (inside `rope_parameters`). EOS ids are the union of the config's and
+`generation_config.json`'s. These are the fields every decoder has (a missing one is a named
+error); what only some families have (norm epsilon and kind, biases, multipliers, ...) each
+family reads from `hf_config` into its DecoderSpec (sglite.models.decoder_spec).
 """
 
 from __future__ import annotations
@@ -24,8 +27,8 @@ def _as_ids(value: Any) -> tuple[int, ...]:
     return tuple(int(v) for v in value)
 
 
-def _rope(hf: Any) -> tuple[float, dict[str, Any] | None]:
-    """(rope_theta, scaling dict or None) from either config form."""
+def _rope(hf: Any) -> tuple[float, dict[str, Any] | None, float]:
+    """(rope_theta, scaling dict or None, partial_rotary_factor) from either config form."""
     params = dict(getattr(hf, "rope_parameters", None) or {})
     legacy = getattr(hf, "rope_scaling", None)
     if not params and legacy:
@@ -33,9 +36,25 @@ def _rope(hf: Any) -> tuple[float, dict[str, Any] | None]:
     theta = params.pop("rope_theta", None)
     if theta is None:
         theta = getattr(hf, "rope_theta", None)
+    partial = params.pop("partial_rotary_factor", None)
+    if partial is None:
+        partial = getattr(hf, "partial_rotary_factor", None)
     rope_type = params.get("rope_type", params.get("type", "default"))
     scaling = params if rope_type != "default" else None
-    return float(theta if theta is not None else 10000.0), scaling
+    theta = float(theta if theta is not None else 10000.0)
+    return theta, scaling, float(partial if partial is not None else 1.0)
+
+
+def _required(hf: Any, name: str) -> Any:
+    """A field every decoder config has; its absence is a named error, not an AttributeError."""
+    value = getattr(hf, name, None)
+    if value is None:
+        arch = (getattr(hf, "architectures", None) or ["?"])[0]
+        raise ValueError(
+            f"config.json of {arch} ({type(hf).__name__}) has no {name!r}; sglite needs it to "
+            "build the model"
+        )
+    return value
 
 
 def _layer_sliding_windows(hf: Any, num_layers: int) -> tuple[int | None, ...]:
@@ -82,19 +101,20 @@ class ModelConfig:
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    rms_norm_eps: float
+    hidden_act: str | None
     rope_theta: float
     rope_scaling: dict[str, Any] | None
+    # the context sglite serves (the runner may lower or raise it) and the model's own
     context_length: int
+    max_position_embeddings: int
     tie_word_embeddings: bool
-    attention_bias: bool
-    mlp_bias: bool
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
     torch_dtype: str | None
-    sliding_window: int | None = None
     # One per layer: its sliding window, None for full attention (empty: none anywhere).
     layer_sliding_windows: tuple[int | None, ...] = ()
+    partial_rotary_factor: float = 1.0
+    # the transformers config: each model family reads the fields only it has from here
     hf_config: Any = field(default=None, repr=False, compare=False)
 
     def sliding_window_for(self, layer_id: int) -> int | None:
@@ -121,38 +141,36 @@ class ModelConfig:
         archs = getattr(hf, "architectures", None) or []
         if not archs:
             raise ValueError(f"config of {path} names no architectures; cannot pick a model class")
-        num_heads = hf.num_attention_heads
-        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
-        theta, scaling = _rope(hf)
+        hidden, num_heads = _required(hf, "hidden_size"), _required(hf, "num_attention_heads")
+        head_dim = getattr(hf, "head_dim", None) or hidden // num_heads
+        theta, scaling, partial = _rope(hf)
         eos = list(_as_ids(getattr(hf, "eos_token_id", None)))
         if path is not None and (path / "generation_config.json").is_file():
             gen = json.loads((path / "generation_config.json").read_text())
             eos += [t for t in _as_ids(gen.get("eos_token_id")) if t not in eos]
-        sliding = None
-        if getattr(hf, "use_sliding_window", True) and getattr(hf, "sliding_window", None):
-            sliding = int(hf.sliding_window)
         dtype = getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None)
+        max_positions = int(getattr(hf, "max_position_embeddings", None) or 2048)
+        num_layers = _required(hf, "num_hidden_layers")
         return cls(
             architecture=archs[0],
             model_type=getattr(hf, "model_type", ""),
-            hidden_size=hf.hidden_size,
-            intermediate_size=hf.intermediate_size,
-            vocab_size=hf.vocab_size,
-            num_layers=hf.num_hidden_layers,
+            hidden_size=hidden,
+            intermediate_size=_required(hf, "intermediate_size"),
+            vocab_size=_required(hf, "vocab_size"),
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=getattr(hf, "num_key_value_heads", None) or num_heads,
             head_dim=head_dim,
-            rms_norm_eps=float(hf.rms_norm_eps),
+            hidden_act=getattr(hf, "hidden_act", None),
             rope_theta=theta,
             rope_scaling=scaling,
-            context_length=int(getattr(hf, "max_position_embeddings", 2048)),
+            context_length=max_positions,
+            max_position_embeddings=max_positions,
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
-            attention_bias=bool(getattr(hf, "attention_bias", False)),
-            mlp_bias=bool(getattr(hf, "mlp_bias", False)),
             eos_token_ids=tuple(eos),
             bos_token_id=getattr(hf, "bos_token_id", None),
             torch_dtype=str(dtype).removeprefix("torch.") if dtype is not None else None,
-            sliding_window=sliding,
-            layer_sliding_windows=_layer_sliding_windows(hf, hf.num_hidden_layers),
+            layer_sliding_windows=_layer_sliding_windows(hf, num_layers),
+            partial_rotary_factor=partial,
             hf_config=hf,
         )
