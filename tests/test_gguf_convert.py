@@ -237,6 +237,14 @@ REFUSALS = {
         "llama.attention.head_count_kv differs between layers",
     ),
     "split": ({"metadata": {"split.count": 3}}, "one part of a split GGUF (3 files)"),
+    "experts": (
+        {"metadata": {"llama.expert_count": 8}},
+        "a mixture-of-experts GGUF (llama.expert_count = 8)",
+    ),
+    "not_causal": (
+        {"metadata": {"llama.attention.causal": False}},
+        "llama.attention.causal = False changes the model's math",
+    ),
 }
 
 

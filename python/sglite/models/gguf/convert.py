@@ -85,11 +85,15 @@ def _convert(gguf_path: Path, out: Path) -> None:
     mapping = mapping_for(gguf)
     gguf.check_tensor_types()
     check_tokenizer(gguf)
-    plans = plan_tensors(gguf, mapping)
     config = hf_config(gguf, mapping)
+    plans = plan_tensors(gguf, mapping)
     logger.info(
         "converting %s (GGUF %s -> %s, %d tensors) to an HF folder, once",
         gguf_path.name, gguf.arch, mapping.hf_architecture, len(plans),
+    )  # fmt: skip
+    logger.info(
+        "converting %s: the tokenizer (%d tokens)",
+        gguf_path.name, len(gguf.get("tokenizer.ggml.tokens")),
     )  # fmt: skip
     template = write_tokenizer(gguf, out, config["max_position_embeddings"])
     _write_json(out / "config.json", config)

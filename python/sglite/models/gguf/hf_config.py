@@ -43,20 +43,27 @@ _MATH_KEYS = (
     "use_parallel_residual",
     "attention.sliding_window_pattern",
     "rope.freq_base_swa",
-    "expert_count",
+    "attention.causal",
 )
+_HARMLESS = {"attention.causal": True}  # values of _MATH_KEYS that change nothing
 _GELU_TANH = "gelu_pytorch_tanh"
 
 
 def hf_config(gguf: GGUFFile, mapping: ArchMapping) -> dict[str, Any]:
     """The config.json dict for the converted folder."""
+    experts = gguf.arch_get("expert_count", 0)
+    if experts:
+        raise UnsupportedGGUF(
+            f"{gguf.path.name}: a mixture-of-experts GGUF ({gguf.arch}.expert_count = "
+            f"{experts}); sglite converts dense models only"
+        )
     consumed: set[str] = set()
     config = _common(gguf, mapping)
     config.update(_EXTRAS[mapping.gguf_arch](gguf, config, consumed))
     for key in _MATH_KEYS:
         if key not in consumed and gguf.has(f"{gguf.arch}.{key}"):
             value = gguf.arch_get(key)
-            if key == "expert_count" and not value:
+            if _HARMLESS.get(key, object()) == value:
                 continue
             raise UnsupportedGGUF(
                 f"{gguf.path.name}: metadata {gguf.arch}.{key} = {value!r} changes the model's "
