@@ -150,3 +150,29 @@ def test_unsupported_gguf_architecture_is_one_line_before_any_child(tiny_model_d
 
     with pytest.raises(StartupError, match="GGUF architecture 'falcon' is not supported"):
         sglite.Engine(model_path=str(path))
+
+
+def test_a_refusal_keeps_its_traceback_at_debug_level_and_a_bug_shows_it(caplog):
+    import logging
+
+    from sglite.messages import ReadyMsg
+    from sglite.process_group import ProcessGroup
+
+    def failed(exc: Exception) -> ReadyMsg:
+        try:
+            raise exc
+        except Exception as e:  # noqa: BLE001 - the child's catch-all
+            return ReadyMsg.failed("scheduler", e)
+
+    with caplog.at_level(logging.DEBUG, logger="sglite.launcher"):
+        err = ProcessGroup._startup_error("scheduler", failed(ValueError("field x = 3 is odd")))
+    assert str(err) == "the scheduler process failed to start: field x = 3 is odd"
+    (record,) = caplog.records
+    assert record.levelno == logging.DEBUG and "Traceback" in record.getMessage()
+
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG, logger="sglite.launcher"):
+        err = ProcessGroup._startup_error("scheduler", failed(KeyError("rms_norm_eps")))
+    assert str(err) == "the scheduler process failed to start: KeyError: 'rms_norm_eps'"
+    (record,) = caplog.records
+    assert record.levelno == logging.ERROR and "Traceback" in record.getMessage()

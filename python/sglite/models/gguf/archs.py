@@ -175,14 +175,15 @@ def unpermute_rows(w: Any, num_heads: int) -> Any:
     return w.reshape(num_heads, rows // num_heads // 2, 2, -1).swapaxes(1, 2).reshape(w.shape)
 
 
-def uniform_count(gguf: GGUFFile, key: str, default: int) -> int:
-    """A per-model count that llama.cpp may also write per layer (a list): one value only."""
-    value = gguf.arch_get(key, default)
+def uniform_count(gguf: GGUFFile, key: str, default: int | None = None) -> int:
+    """A per-model count (`{arch}.key`; required without a default) that llama.cpp may also
+    write per layer, as a list: then all layers must agree."""
+    value = gguf.arch_get(key) if default is None else gguf.arch_get(key, default)
     if isinstance(value, list):
         if len(set(value)) != 1:
             raise UnsupportedGGUF(
                 f"{gguf.path.name}: {gguf.arch}.{key} differs between layers ({sorted(set(value))})"
-                "; per-layer head counts are not supported"
+                "; per-layer sizes are not supported"
             )
         value = value[0]
     return int(value)

@@ -47,6 +47,7 @@ _MATH_KEYS = (
 )
 _HARMLESS = {"attention.causal": True}  # values of _MATH_KEYS that change nothing
 _GELU_TANH = "gelu_pytorch_tanh"
+_END_OF_TURN = ("<end_of_turn>", "<|im_end|>", "<|end|>", "<|eot_id|>", "<|eom_id|>")
 
 
 def hf_config(gguf: GGUFFile, mapping: ArchMapping) -> dict[str, Any]:
@@ -86,11 +87,10 @@ def generation_config(gguf: GGUFFile, template: str | None) -> dict[str, Any]:
     }
 
 
-_END_OF_TURN = ("<end_of_turn>", "<|im_end|>", "<|end|>", "<|eot_id|>", "<|eom_id|>")
-
-
 def _common(gguf: GGUFFile, mapping: ArchMapping) -> dict[str, Any]:
     get = gguf.arch_get
+    if "token_embd.weight" not in gguf.tensors:
+        raise UnsupportedGGUF(f"{gguf.path.name}: the file has no token_embd.weight tensor")
     hidden = int(get("embedding_length"))
     heads = int(get("attention.head_count"))
     head_dim = int(get("attention.key_length", hidden // heads))
@@ -103,7 +103,7 @@ def _common(gguf: GGUFFile, mapping: ArchMapping) -> dict[str, Any]:
         "architectures": [mapping.hf_architecture],
         "model_type": mapping.model_type,
         "hidden_size": hidden,
-        "intermediate_size": uniform_count(gguf, "feed_forward_length", 0),
+        "intermediate_size": uniform_count(gguf, "feed_forward_length"),
         "num_hidden_layers": int(get("block_count")),
         "num_attention_heads": heads,
         "num_key_value_heads": uniform_count(gguf, "attention.head_count_kv", heads),
