@@ -205,6 +205,26 @@ def test_folder_loads_in_sglite_like_transformers(gguf_file, cache):
     assert {"llama", "mistral", "qwen2", "qwen3"} <= set(checked), checked
 
 
+def test_a_file_written_from_random_tensors_without_a_checkpoint(hf_dir, tmp_path):
+    """write_gguf_from streams tensors made on the fly (how a 7B-shaped file is written
+    without a 7B checkpoint); the folder holds exactly them."""
+    from transformers import AutoConfig
+
+    from fixtures.gguf_writer import random_tensors, write_gguf_from
+    from sglite.models.gguf import convert_gguf_to_hf
+
+    tok_dir = hf_dir("qwen3")
+    config = AutoConfig.from_pretrained(str(tok_dir))
+    config.update({"hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 8})
+    path = write_gguf_from(config, random_tensors(config), tok_dir, tmp_path / "r.gguf")
+    ours = _weights(convert_gguf_to_hf(path, cache_root=tmp_path))
+    want = dict(random_tensors(config))
+    assert set(ours) == set(want)
+    for name, t in want.items():
+        assert torch.equal(ours[name], torch.from_numpy(t)), name
+    assert ours["model.layers.0.mlp.up_proj.weight"].shape == (256, 128)
+
+
 # ---------------------------------------------------------------------- refusals
 REFUSALS = {
     "arch": ({"arch": "falcon"}, "GGUF architecture 'falcon' is not supported; supported: gemma"),

@@ -66,12 +66,15 @@ def resolve_model(server_args: ServerArgs) -> ServerArgs:
             )
         changes: dict[str, Any] = {}
         given = server_args.model_path
+        is_repo = not hub.is_local(given) and hub.looks_like_repo_id(given)
+        if server_args.revision and not is_repo:
+            logger.warning("--revision applies to Hub repo ids; %s is local, ignoring it", given)
         if is_gguf_file(given):
             changes.update(
                 model_path=str(convert_gguf_to_hf(Path(given).expanduser())),
                 served_model_name=server_args.served_model_name or given,
             )
-        elif not hub.is_local(given) and hub.looks_like_repo_id(given):
+        elif is_repo:
             path = hub.resolve_repo(
                 given,
                 revision=server_args.revision,
@@ -80,8 +83,6 @@ def resolve_model(server_args: ServerArgs) -> ServerArgs:
             changes.update(
                 model_path=str(path), served_model_name=server_args.served_model_name or given
             )
-        elif server_args.revision:
-            logger.warning("--revision applies to Hub repo ids; %s is local, ignoring it", given)
         tok = server_args.tokenizer_path
         if tok and is_gguf_file(tok):
             changes["tokenizer_path"] = str(convert_gguf_to_hf(Path(tok).expanduser()))

@@ -105,7 +105,9 @@ ARCHS = {
 @dataclass(frozen=True)
 class TensorPlan:
     """One GGUF tensor's way into the HF checkpoint: dequantize, then un-permute the rows
-    of each of `permute_heads` heads (when set), then add `offset`."""
+    of each of `permute_heads` heads (when set), then add `offset`. A packed loader can
+    apply the permutation to the packed rows as well (ggml quantizes each row on its own,
+    in blocks along it); `offset` is only ever set on 1-D norm weights, which are F32."""
 
     gguf_name: str
     hf_name: str
