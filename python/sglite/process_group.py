@@ -2,11 +2,12 @@
 
 Children are spawned (never forked) without re-running the user's script, ignore Ctrl-C (the
 parent stops them with SIGTERM, then SIGKILL after a grace period) and die with their parent.
-`start()` blocks until every child reports ready (or one fails: `StartupError` with one line
-naming the child and why), logging progress while it waits; `watch()` reports a child that exits unasked,
-and `death_reason` says why in one sentence (a scheduler stopped by its watchdog exits with
-WATCHDOG_EXIT_CODE). With `--dp-size N` there are N schedulers, with `--tp-size N` the
-node's TP ranks (names in dp_replicas.py); only node 0 has a detokenizer.
+`start()` blocks until every child reports ready (or one fails: `StartupError`, one line
+naming the child and why; its traceback is logged, at debug level for a refusal), logging
+progress while it waits; `watch()` reports a child that exits unasked, and `death_reason`
+says why in one sentence (a scheduler stopped by its watchdog exits with WATCHDOG_EXIT_CODE).
+With `--dp-size N` there are N schedulers, with `--tp-size N` the node's TP ranks (names in
+dp_replicas.py); only node 0 has a detokenizer.
 """
 
 from __future__ import annotations

@@ -16,12 +16,9 @@ before the GPT-2 regex (transformers does not know these names).
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 from sglite.models.gguf.reader import GGUFFile, UnsupportedGGUF
-
-logger = logging.getLogger(__name__)
 
 TOKENIZER_MODELS = ("gpt2", "llama")  # byte-level BPE, SentencePiece BPE
 _DIGIT_SPLIT_PRE = ("smollm", "starcoder", "refact")
