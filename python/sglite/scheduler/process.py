@@ -16,7 +16,6 @@ import contextlib
 import logging
 import os
 import signal
-import traceback
 from typing import Any
 
 from sglite.config import ServerArgs
@@ -211,7 +210,7 @@ def run_scheduler_process(
     try:
         sched, info, sync = build_scheduler(args, send, send_control, watchdog, dp_rank, tp_rank)
     except Exception as e:  # reported to the launcher, which prints it and exits
-        ready_conn.send(ReadyMsg(name, False, f"{e}\n{traceback.format_exc()}"))
+        ready_conn.send(ReadyMsg.failed(name, e))
         return
     ready_conn.send(ReadyMsg(name, True, info=info))
     watchdog.start()
