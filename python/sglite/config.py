@@ -217,7 +217,8 @@ class ServerArgs:
     max_connections: int | None = _f(
         None,
         "Most open client connections; one more is answered 503 and closed. Default: "
-        "min(4096, the open-file limit - 256) (the limit is raised to its hard maximum).",
+        "min(4096, what the open-file limit leaves after the server's own files and a "
+        "margin) (the soft limit is raised to the hard one at start-up).",
     )
     tokenizer_threads: int = _f(
         4, "Threads that parse, template and tokenize requests off the event loop."

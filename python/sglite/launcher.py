@@ -257,12 +257,9 @@ def launch_server(
             access_log=args.log_level == "debug",
             http=connections.guarded_protocol(conn),
             timeout_keep_alive=args.timeout_keep_alive,  # type: ignore[arg-type]
+            backlog=connections.ACCEPT_BACKLOG,
         )
         connections.throttle_server_logs()  # after uvicorn.Config set up its loggers
-        logger.info(
-            "accepting up to %d connections; header/body timeouts %g/%g s",
-            conn.max_connections, conn.header_timeout_s, conn.body_timeout_s,
-        )  # fmt: skip
         server = uvicorn.Server(config)
 
         def on_death(name: str, code: int | None) -> None:

@@ -13,7 +13,8 @@ phase starts and never pushed back by the bytes that arrive:
   that went away);
 - while the route runs (generation may take minutes, streams longer) there is none.
 A connection beyond --max-connections is answered 503 at once and closed, so the server
-keeps file descriptors for its own sockets and files. `raise_open_file_limit` lifts the
+keeps file descriptors for its own sockets and files: its default stays below the open-file
+limit, as reaching it is fatal (libzmq aborts when its sockets cannot get a descriptor). `raise_open_file_limit` lifts the
 soft limit to the hard one at start-up (as SGLang does). `throttle_server_logs` makes
 asyncio's and uvicorn's warnings (accept errors such as "Too many open files", failed
 socket sends, invalid requests, even repeated tracebacks) one line per kind every 10 s,
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import resource
 import time
 from dataclasses import dataclass
@@ -39,6 +41,7 @@ logger = logging.getLogger(__name__)
 LOG_INTERVAL_S = 10.0
 OPEN_FILES_TARGET = 65536  # the soft limit asked for at start-up (capped by the hard one)
 MAX_DEFAULT_CONNECTIONS = 4096
+ACCEPT_BACKLOG = 128  # the listen backlog: also how many sockets asyncio accepts at once
 THROTTLED_LOGGERS = ("asyncio", "uvicorn.error")
 
 
@@ -115,22 +118,45 @@ def raise_open_file_limit(target: int = OPEN_FILES_TARGET) -> int:
     return soft
 
 
-def default_max_connections(open_files: int) -> int:
-    """The --max-connections default: leave the server some descriptors of its own."""
-    reserve = min(256, open_files // 4)
-    return max(1, min(MAX_DEFAULT_CONNECTIONS, open_files - reserve))
+def open_descriptors() -> int:
+    """File descriptors this process has open now (0 where /proc is missing)."""
+    try:
+        return len(os.listdir("/proc/self/fd"))
+    except OSError:
+        return 0
 
 
-@dataclass(frozen=True)
+def default_max_connections(open_files: int, in_use: int = 0) -> int:
+    """The --max-connections default: what the open-file limit leaves after the descriptors
+    in use and a margin (asyncio accepts up to ACCEPT_BACKLOG sockets at once, before the
+    cap can close the extra ones; libzmq aborts the process when it cannot get one)."""
+    margin = max(ACCEPT_BACKLOG + 32, open_files // 8)
+    return max(1, min(MAX_DEFAULT_CONNECTIONS, open_files - in_use - margin))
+
+
+@dataclass
 class ConnectionSettings:
     header_timeout_s: float
     body_timeout_s: float
-    max_connections: int
+    max_connections: int | None  # None: default_max_connections at the first connection
+    open_files: int
 
     @classmethod
     def from_args(cls, args: Any, open_files: int) -> ConnectionSettings:
-        cap = args.max_connections or default_max_connections(open_files)
-        return cls(args.http_header_timeout, args.http_body_timeout, cap)
+        return cls(
+            args.http_header_timeout, args.http_body_timeout, args.max_connections, open_files
+        )
+
+    def cap(self) -> int:
+        """The connection cap; the default is fixed when the first client connects, once the
+        server's own sockets (ZMQ, opened at start-up) are all open."""
+        if self.max_connections is None:
+            self.max_connections = default_max_connections(self.open_files, open_descriptors())
+            logger.info(
+                "accepting up to %d connections (--max-connections; open-file limit %d)",
+                self.max_connections, self.open_files,
+            )  # fmt: skip
+        return self.max_connections
 
 
 def _raw_response(status: int, reason: str, message: str | None, extra: str = "") -> bytes:
@@ -158,7 +184,7 @@ class GuardedH11Protocol(H11Protocol):
     # ------------------------------------------------------------------ asyncio.Protocol
     def connection_made(self, transport: Any) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        cap = self.settings.max_connections
+        cap = self.settings.cap()
         if len(self.connections) > cap:
             self.throttle.warning(
                 "cap", f"refused a connection: {cap} are open (--max-connections)"
