@@ -184,7 +184,11 @@ class ServerArgs:
         "with 403 before it takes effect.",
     )
     # the front door on a network (README "Running it on a network"; server/limits.py)
-    max_request_bytes: int = _f(8 << 20, "Largest request body in bytes (HTTP 413 above).")
+    max_request_bytes: int = _f(
+        4 << 20,
+        "Largest request body in bytes (HTTP 413 above); parsing JSON holds the GIL, about "
+        "1 us per value, so this bounds how long one body can stall the event loop.",
+    )
     max_prompts_per_request: int = _f(1024, "Most prompts in one batch request.")
     max_sequences_per_request: int = _f(
         4096, "Most sequences one request may start: its prompts times n."

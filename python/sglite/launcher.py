@@ -257,7 +257,7 @@ def launch_server(
             access_log=args.log_level == "debug",
             http=connections.guarded_protocol(conn),
             timeout_keep_alive=args.timeout_keep_alive,  # type: ignore[arg-type]
-            backlog=connections.ACCEPT_BACKLOG,
+            backlog=conn.backlog,
         )
         connections.throttle_server_logs()  # after uvicorn.Config set up its loggers
         server = uvicorn.Server(config)

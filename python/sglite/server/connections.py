@@ -41,7 +41,6 @@ logger = logging.getLogger(__name__)
 LOG_INTERVAL_S = 10.0
 OPEN_FILES_TARGET = 65536  # the soft limit asked for at start-up (capped by the hard one)
 MAX_DEFAULT_CONNECTIONS = 4096
-ACCEPT_BACKLOG = 128  # the listen backlog: also how many sockets asyncio accepts at once
 THROTTLED_LOGGERS = ("asyncio", "uvicorn.error")
 
 
@@ -126,11 +125,18 @@ def open_descriptors() -> int:
         return 0
 
 
+def accept_backlog(open_files: int) -> int:
+    """The listen backlog: also how many sockets asyncio accepts in one go, before the cap
+    can close the extra ones, so a few bursts must fit in what the cap leaves free."""
+    return max(16, min(2048, open_files // 16))
+
+
 def default_max_connections(open_files: int, in_use: int = 0) -> int:
     """The --max-connections default: what the open-file limit leaves after the descriptors
-    in use and a margin (asyncio accepts up to ACCEPT_BACKLOG sockets at once, before the
-    cap can close the extra ones; libzmq aborts the process when it cannot get one)."""
-    margin = max(ACCEPT_BACKLOG + 32, open_files // 8)
+    in use and a margin for accept bursts (the refused sockets of one burst are still
+    closing while the next is accepted; libzmq aborts the process when it cannot get a
+    descriptor, asyncio stops accepting for a second)."""
+    margin = max(3 * accept_backlog(open_files) + 32, open_files // 8)
     return max(1, min(MAX_DEFAULT_CONNECTIONS, open_files - in_use - margin))
 
 
@@ -146,6 +152,10 @@ class ConnectionSettings:
         return cls(
             args.http_header_timeout, args.http_body_timeout, args.max_connections, open_files
         )
+
+    @property
+    def backlog(self) -> int:
+        return accept_backlog(self.open_files)
 
     def cap(self) -> int:
         """The connection cap; the default is fixed when the first client connects, once the

@@ -159,7 +159,7 @@ def create_app(tm: TokenizerManager, given_args: Any = None) -> FastAPI:
                 _generate_events(states, is_batch), media_type="text/event-stream"
             )
         outputs = await tm.collect(prompts, request.is_disconnected)
-        return outputs if is_batch else outputs[0]
+        return JSONResponse(outputs if is_batch else outputs[0])  # json.dumps, no encoder pass
 
     async def _generate_events(states: list[Any], is_batch: bool) -> AsyncIterator[str]:
         async for i, out in tm.follow(states, stream=True):
@@ -235,7 +235,8 @@ def create_app(tm: TokenizerManager, given_args: Any = None) -> FastAPI:
         prompts, lens = await tm.offload(openai_api.completion_prompts, tm, req)
         if req.stream:
             return await _openai_stream(prompts, lens, req, chat=False)
-        return await openai_api.completions(tm, req, request.is_disconnected, (prompts, lens))
+        out = await openai_api.completions(tm, req, request.is_disconnected, (prompts, lens))
+        return JSONResponse(out)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:
@@ -243,7 +244,9 @@ def create_app(tm: TokenizerManager, given_args: Any = None) -> FastAPI:
         prompts, lens = await tm.offload(openai_api.chat_prompts, tm, req)
         if req.stream:
             return await _openai_stream(prompts, lens, req, chat=True)
-        return await openai_api.chat(tm, req, request.is_disconnected, (prompts, lens))
+        return JSONResponse(
+            await openai_api.chat(tm, req, request.is_disconnected, (prompts, lens))
+        )
 
     async def _openai_stream(
         prompts: list[Prompt], lens: list[int], req: Any, *, chat: bool

@@ -10,10 +10,12 @@ Token ids are checked against the vocabulary (400 naming the bad one); prompts c
 
 from __future__ import annotations
 
+import json
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict
 
 from sglite.server.inputs import RequestError
@@ -76,11 +78,16 @@ def add_tokenize_routes(app: FastAPI, tm: Any, parse_body: ParseBody) -> None:
         ]
         return {"text": texts if is_batch else texts[0]}
 
-    async def tokenize(request: Request) -> dict[str, Any]:
-        return await tm.offload(encode, await parse_body(request, TokenizeRequest))
+    def answer(make: Callable[[Any], dict[str, Any]], req: Any) -> Response:
+        """The JSON answer, serialized here (off the loop: a long token list is slow)."""
+        body = json.dumps(make(req), ensure_ascii=False, separators=(",", ":")).encode()
+        return Response(body, media_type="application/json")
 
-    async def detokenize(request: Request) -> dict[str, Any]:
-        return await tm.offload(decode, await parse_body(request, DetokenizeRequest))
+    async def tokenize(request: Request) -> Response:
+        return await tm.offload(answer, encode, await parse_body(request, TokenizeRequest))
+
+    async def detokenize(request: Request) -> Response:
+        return await tm.offload(answer, decode, await parse_body(request, DetokenizeRequest))
 
     for prefix in ("", "/v1"):
         app.add_api_route(prefix + "/tokenize", tokenize, methods=["POST"])

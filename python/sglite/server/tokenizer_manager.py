@@ -266,22 +266,14 @@ class TokenizerManager:
         if taken is not None:  # prepared in a thread: another request may have taken it since
             raise RequestError(f"rid: {taken!r} is not a free request id", param="rid")
         notify = asyncio.Event()
-        states = [
-            ReqState(
-                p.rid,
-                len(p.input_ids),
-                stream,
-                notify,
-                prompt_text=p.input_text,
-                sampling_params=p.sampling_params,
-            )
-            for p in prompts
-        ]
-        for p, state in zip(prompts, states):
+        states = []
+        for p in prompts:
+            state = ReqState(p.rid, len(p.input_ids), stream, notify, prompt_text=p.input_text)
+            state.sampling_params = p.sampling_params
             if p.logprob is not None:
                 state.logprobs = LogprobLists(p.logprob, self.token_texts)
-        for state in states:
-            self.states[state.rid] = state
+            self.states[p.rid] = state
+            states.append(state)
         try:
             for p in prompts:
                 await self._send_retrying(
