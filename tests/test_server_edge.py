@@ -165,6 +165,12 @@ REFUSED = [
     ("/tokenize", {"prompt": ["a"] * 9}, 400, "--max-prompts-per-request"),
     ("/tokenize", {"prompt": LONG}, 400, "--max-prompt-chars"),
     ("/generate", {"text": "Hi", "x": json.loads("[" * 17 + "]" * 17)}, 400, "--max-json-depth"),
+    (  # a JSON schema sent as text: its nesting too (the syntax check is slow when deep)
+        "/generate",
+        {"text": "Hi", "sampling_params": {"json_schema": '{"a":' * 17 + "1" + "}" * 17}},
+        400,
+        "--max-json-depth",
+    ),
 ]
 
 

@@ -20,12 +20,14 @@ from __future__ import annotations
 import json
 import math
 import re
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
 from sglite.server.errors import RequestError
-from sglite.server.limits import RequestLimits
+
+if TYPE_CHECKING:
+    from sglite.server.limits import RequestLimits
 
 M = TypeVar("M", bound=BaseModel)
 _UNION_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}

@@ -9,14 +9,17 @@ Where each is checked: the counts of a body's top-level lists (`check_body_count
 parsed JSON before it is validated into a model, as pydantic's cost grows with them), the
 characters of a prompt (before it is tokenized), the sequences of a request (prompts
 times n, before any prompt is tokenized), logit_bias and grammar texts (with the sampling
-parameters, before the grammar's syntax check), log-probs per token.
+parameters, before the grammar's syntax check, with a JSON schema's nesting), log-probs per
+token.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
+from sglite.server.body import find_problem
 from sglite.server.errors import RequestError
 
 CHARS_PER_CONTEXT_TOKEN = 32  # the default --max-prompt-chars: far above any real text
@@ -108,6 +111,24 @@ class RequestLimits:
             if isinstance(text, str):
                 name = prefix + key
                 self._check("max_grammar_chars", len(text), name + ": {n} characters", param or key)
+        schema = data.get("json_schema")
+        if isinstance(schema, str) and self.max_json_depth is not None:
+            self._check_schema_depth(schema, prefix + "json_schema", param or "json_schema")
+
+    def _check_schema_depth(self, text: str, name: str, param: str) -> None:
+        """A JSON schema nested deeper than --max-json-depth (its syntax check alone costs
+        seconds at a few hundred levels); not JSON at all is the grammar check's to report."""
+        try:
+            schema = json.loads(text)
+        except (ValueError, RecursionError):
+            return
+        problem = find_problem(schema, self.max_json_depth, strings=False, numbers=False)
+        if problem is not None:
+            raise RequestError(
+                f"{name}: the schema is nested deeper than {self.max_json_depth} levels "
+                "(--max-json-depth)",
+                param=param,
+            )
 
     def check_logprob_fields(self, fields: dict[str, Any]) -> None:
         """top_logprobs_num and the length of token_ids_logprob (native log-prob fields)."""
