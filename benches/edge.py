@@ -29,72 +29,9 @@ from urllib.parse import urlparse
 
 import httpx
 
+from edge_probe import HealthProber, tree_rss_mb  # benches/edge_probe.py
+
 JSON = {"Content-Type": "application/json"}
-PROBE_EVERY_S = 0.05
-
-
-# ---------------------------------------------------------------------- measuring
-class HealthProber:
-    """Polls /health on a fresh connection; worst latency per window."""
-
-    def __init__(self, url: str):
-        self.url = url + "/health"
-        self.samples: list[tuple[float, float, int]] = []  # (start, latency, status)
-        self.current: float | None = None
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            start = self.current = time.monotonic()
-            try:
-                status = httpx.get(self.url, timeout=120).status_code
-            except httpx.HTTPError:
-                status = 0
-            self.current = None
-            self.samples.append((start, time.monotonic() - start, status))
-            self._stop.wait(PROBE_EVERY_S)
-
-    def window(self, since: float) -> tuple[float, int]:
-        """(worst latency, probes without a 200) of the probes started since `since`."""
-        now = time.monotonic()
-        got = [(lat, st) for t, lat, st in self.samples if t >= since]
-        worst = max([lat for lat, _ in got], default=0.0)
-        if self.current is not None:
-            worst = max(worst, now - self.current)
-        return worst, sum(1 for _, st in got if st != 200)
-
-    def stop(self) -> None:
-        self._stop.set()
-
-
-def tree_rss_mb(pid: int | None) -> float | None:
-    if pid is None:
-        return None
-    parents: dict[int, int] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-                parents[int(entry.name)] = int(stat[stat.rindex(")") + 2 :].split()[1])
-            except (OSError, ValueError):
-                pass
-    pids, todo = [pid], [pid]
-    while todo:
-        p = todo.pop()
-        kids = [c for c, parent in parents.items() if parent == p]
-        pids += kids
-        todo += kids
-    total = 0
-    for p in pids:
-        try:
-            for line in Path(f"/proc/{p}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    total += int(line.split()[1])
-        except OSError:
-            pass
-    return total / 1024
 
 
 # ---------------------------------------------------------------------- client helpers
@@ -186,15 +123,25 @@ def nested_schema(depth: int) -> dict[str, Any]:
     return schema
 
 
-def case_big_prompts(b: Bench) -> str:
-    out = [
-        "10MB prompt " + b.status("/generate", {"text": "word " * 2_000_000}),
-        "5MB batch " + b.status("/generate", {"text": ["word " * 9000] * 115}),
-        "3.5MB prompt (700k tokens) " + b.status("/generate", {"text": "word " * 700_000}),
-        "10MB /tokenize " + b.status("/tokenize", {"prompt": "word " * 2_000_000}),
-        "3.5MB /tokenize " + b.status("/tokenize", {"prompt": "word " * 700_000}),
-    ]
+def statuses(b: Bench, sends: list[tuple[Any, ...]]) -> str:
+    """`label status` for each (label, path, JSON body or raw bytes[, headers]) in turn."""
+    out = []
+    for label, path, body, *headers in sends:
+        raw = body if isinstance(body, bytes) else None
+        status = b.status(path, None if raw else body, raw=raw, headers=(headers or [None])[0])
+        out.append(f"{label} {status}")
     return "; ".join(out)
+
+
+def case_big_prompts(b: Bench) -> str:
+    words = "word " * 380_000  # 1.9 MB, 380k tokens
+    return statuses(b, [
+        ("10MB prompt", "/generate", {"text": "word " * 2_000_000}),
+        ("5MB batch", "/generate", {"text": ["word " * 9000] * 115}),
+        ("1.9MB prompt (380k tokens)", "/generate", {"text": words}),
+        ("10MB /tokenize", "/tokenize", {"prompt": "word " * 2_000_000}),
+        ("1.9MB /tokenize", "/tokenize", {"prompt": words}),
+    ])  # fmt: skip
 
 
 def case_deep_schema(b: Bench) -> str:
@@ -209,30 +156,19 @@ def case_deep_schema(b: Bench) -> str:
 
 
 def case_limits(b: Bench) -> str:
-    sixty_four_mb = b"{" + b'"text": "' + b"x" * (64 << 20) + b'"}'
-    out = [
-        "64MB body " + b.status("/generate", raw=sixty_four_mb),
-        "19685 prompts " + b.status("/generate", {"text": ["Hi"] * 19685}),
-        "100x128 sequences "
-        + b.status("/generate", {"text": ["Hi"] * 100, "sampling_params": {"n": 128}}),  # fmt: skip
-        "top_logprobs_num 49152 "
-        + b.status(
-            "/generate", {"text": "Hi", "return_logprob": True, "top_logprobs_num": 49152}
-        ),  # fmt: skip
-        "500k logit_bias "
-        + b.status(
-            "/generate",
-            {
-                "text": "Hi",
-                "sampling_params": {"logit_bias": {str(i): 1.0 for i in range(500_000)}},
-            },
-        ),  # fmt: skip
-        "200KB regex "
-        + b.status(
-            "/generate", {"text": "Hi", "sampling_params": {"regex": "a" * 200_000}}
-        ),  # fmt: skip
-    ]
-    return "; ".join(out)
+    def sp(**kw: Any) -> dict[str, Any]:
+        return {"text": "Hi", "sampling_params": kw}
+
+    return statuses(b, [
+        ("64MB body", "/generate", b'{"text": "' + b"x" * (64 << 20) + b'"}'),
+        ("19685 prompts", "/generate", {"text": ["Hi"] * 19685}),
+        ("100x128 sequences", "/generate", {"text": ["Hi"] * 100, "sampling_params": {"n": 128}}),
+        ("top_logprobs_num 49152", "/generate",
+         {"text": "Hi", "return_logprob": True, "top_logprobs_num": 49152}),
+        ("500k logit_bias", "/generate", sp(logit_bias={str(i): 1.0 for i in range(500_000)})),
+        ("140k logit_bias (2MB)", "/generate", sp(logit_bias={str(i): 1 for i in range(140_000)})),
+        ("200KB regex", "/generate", sp(regex="a" * 200_000)),
+    ])  # fmt: skip
 
 
 def case_idle_sockets(b: Bench, n: int = 2000, wait_s: float = 13) -> str:
@@ -290,45 +226,30 @@ def case_bad_bytes(b: Bench) -> str:
     def raw(template: str) -> bytes:
         return template.replace("@", '"a\\ud800b"').encode()
 
-    cases = {
-        "text": raw('{"text": @}'),
-        "prompt": raw('{"model": "m", "prompt": @}'),
-        "content": raw('{"model": "m", "messages": [{"role": "user", "content": @}]}'),
-        "stop": raw('{"text": "Hi", "sampling_params": {"stop": [@]}}'),
-        "rid": raw('{"text": "Hi", "rid": @, "sampling_params": {"max_new_tokens": 4}}'),
-        "rid-stream": raw('{"text": "Hi", "stream": true, "rid": @}'),
-        "5000 digits": b'{"text": "Hi", "sampling_params": {"max_new_tokens": '
-        + b"9" * 5000
-        + b"}}",
-        "100k deep": b'{"text": "Hi", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
-    }
-    out = []
-    for name, body in cases.items():
-        path = "/v1/completions" if name == "prompt" else "/generate"
-        path = "/v1/chat/completions" if name == "content" else path
-        out.append(f"{name} {b.status(path, raw=body)}")
-    return "; ".join(out)
+    return statuses(b, [
+        ("text", "/generate", raw('{"text": @}')),
+        ("prompt", "/v1/completions", raw('{"model": "m", "prompt": @}')),
+        ("content", "/v1/chat/completions",
+         raw('{"model": "m", "messages": [{"role": "user", "content": @}]}')),
+        ("stop", "/generate", raw('{"text": "Hi", "sampling_params": {"stop": [@]}}')),
+        ("rid", "/generate", raw('{"text": "Hi", "rid": @, "sampling_params": {"max_new_tokens": 4}}')),
+        ("rid-stream", "/generate", raw('{"text": "Hi", "stream": true, "rid": @}')),
+        ("5000 digits", "/generate", raw('{"text": "Hi", "sampling_params": {"seed": ' + "9" * 5000 + "}}")),
+        ("100k deep", "/generate", raw('{"text": "Hi", "x": ' + "[" * 100_000 + "]" * 100_000 + "}")),
+    ])  # fmt: skip
 
 
 def case_cross_site(b: Bench) -> str:
-    plain = {"Content-Type": "text/plain", "Origin": "http://evil.example"}
-    out = [
-        "text/plain abort_all " + b.status("/abort_request", {"abort_all": True}, headers=plain),
-        "form generate "
-        + b.status(
-            "/generate",
-            {"text": "Hi"},
-            headers={"Content-Type": "application/x-www-form-urlencoded"},
-        ),  # fmt: skip
-        f"GET /flush_cache {httpx.get(b.url + '/flush_cache', timeout=30).status_code}",
-        "JSON from evil origin "
-        + b.status(
-            "/generate",
-            {"text": "Hi", "sampling_params": {"max_new_tokens": 1}},
-            headers={**JSON, "Origin": "http://evil.example"},
-        ),  # fmt: skip
-    ]
-    return "; ".join(out)
+    evil = "http://evil.example"
+    get = httpx.get(b.url + "/flush_cache", timeout=30).status_code
+    return f"GET /flush_cache {get}; " + statuses(b, [
+        ("text/plain abort_all", "/abort_request", {"abort_all": True},
+         {"Content-Type": "text/plain", "Origin": evil}),
+        ("form generate", "/generate", {"text": "Hi"},
+         {"Content-Type": "application/x-www-form-urlencoded"}),
+        ("JSON from another origin", "/generate",
+         {"text": "Hi", "sampling_params": {"max_new_tokens": 1}}, {**JSON, "Origin": evil}),
+    ])  # fmt: skip
 
 
 def case_injection(b: Bench) -> str:
@@ -433,9 +354,7 @@ def main() -> None:
     log_before = args.log.stat().st_size if args.log else None
     rss_before = tree_rss_mb(args.pid)
     results = []
-    print(
-        f"{'case':<16} {'status':<60} {'worst /health':>13} {'not 200':>7} {'wall':>6} {'RSS MB':>7}"
-    )
+    print(f"{'case':<16} {'worst /health':>13} {'not 200':>7} {'wall':>6} {'RSS MB':>7}  status")
     for name in args.only or list(CASES):
         what, run = CASES[name]
         start = time.monotonic()
@@ -448,10 +367,9 @@ def main() -> None:
         rss = tree_rss_mb(args.pid)
         results.append({"case": name, "item": what, "status": status, "worst_health_s": worst,
                         "health_not_200": bad, "wall_s": wall, "rss_mb": rss})  # fmt: skip
-        print(f"{name:<16} {status[:60]:<60} {worst:>12.3f}s {bad:>7} {wall:>5.0f}s "
-              f"{rss if rss is None else round(rss):>7}")  # fmt: skip
-        if len(status) > 60:
-            print(f"{'':<16} {status[60:]}")
+        shown = "-" if rss is None else f"{rss:.0f}"
+        print(f"{name:<16} {worst:>12.3f}s {bad:>7} {wall:>5.0f}s {shown:>7}  ({what})")
+        print(f"    {status}")
     prober.stop()
     summary = {"rss_mb_before": rss_before, "rss_mb_after": tree_rss_mb(args.pid),
                "log_bytes_before": log_before,

@@ -185,7 +185,7 @@ class ServerArgs:
     )
     # the front door on a network (README "Running it on a network"; server/limits.py)
     max_request_bytes: int = _f(
-        4 << 20,
+        2 << 20,
         "Largest request body in bytes (HTTP 413 above); parsing JSON holds the GIL, about "
         "1 us per value, so this bounds how long one body can stall the event loop.",
     )
