@@ -53,14 +53,17 @@ class HealthProber:
                 self.current = None
                 self.samples.append((start, latency, status))
 
-    def window(self, since: float) -> tuple[float, int]:
-        """(worst latency, probes without a 200) of the probes started since `since`."""
+    def window(self, since: float) -> tuple[float, float, int]:
+        """(median and worst latency, probes without a 200) of the probes started since
+        `since`; a probe still waiting counts with its age."""
         self._drain()
         got = [(lat, st) for t, lat, st in self.samples if t >= since]
-        worst = max([lat for lat, _ in got], default=0.0)
+        latencies = [lat for lat, _ in got]
         if self.current is not None:
-            worst = max(worst, time.monotonic() - self.current)
-        return worst, sum(1 for _, st in got if st != 200)
+            latencies.append(time.monotonic() - self.current)
+        latencies.sort()
+        median = latencies[len(latencies) // 2] if latencies else 0.0
+        return median, max(latencies, default=0.0), sum(1 for _, st in got if st != 200)
 
     def stop(self) -> None:
         self._stop.set()

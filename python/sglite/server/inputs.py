@@ -1,8 +1,11 @@
 """Request validation: turns request fields into tokenized, checked `Prompt`s.
 
-Every check the server makes on input lives here and runs once, in the main process,
-before anything reaches the scheduler. A failure raises `RequestError` with the HTTP status
-(400 for bad input) and a message that names the field and says what is allowed.
+Every check the server makes on input fields lives here (with the request limits of
+server/limits.py, the raw body's checks of server/body.py and the chat tokenization of
+server/chat_tokens.py) and runs once, in the main process, before anything reaches the
+scheduler; limits that need no tokens come before any tokenization. A failure raises
+`RequestError` with the HTTP status (400 for bad input) and a message that names the field
+and says what is allowed.
 """
 
 from __future__ import annotations
