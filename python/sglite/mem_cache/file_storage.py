@@ -144,8 +144,12 @@ class FileStorage:
             "dtype": str(k.dtype),
             "shape": list(k.shape),
         }
-        torch.save({"header": header, "k": k.contiguous(), "v": v.contiguous()}, tmp)
-        os.replace(tmp, path)
+        try:
+            torch.save({"header": header, "k": k.contiguous(), "v": v.contiguous()}, tmp)
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)  # no half-written file left behind
+            raise
         self.num_written_pages += 1
 
     def _write_failed(self, e: Exception) -> None:
