@@ -45,6 +45,9 @@ class Req:
     lock_node: int | None = None
     kv_len: int = 0
     alloc_len: int = 0
+    # slots it gave up (duplicates of the tree's) while a launched batch may still read
+    # them; they reach the allocator once that batch is processed (CacheManager.checkpoint)
+    stale_slots: list = field(default_factory=list)
     # prefix matched by the last match (not yet locked by admission)
     match_len: int = 0
     match_node: int = 0
