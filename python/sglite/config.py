@@ -90,6 +90,13 @@ class ServerArgs:
         "Max prompt tokens per chunk; -1 disables chunking (default 8192 on CUDA, 512 on CPU).",
     )
     schedule_policy: str = _f("fcfs", "Waiting-queue order.", choices=SCHEDULE_POLICIES)
+    prefill_lookahead_requests: int = _f(
+        32,
+        "Waiting requests past the first one refused for KV memory that a prefill pass still "
+        "tries, so a small request is not held behind a large one; one that fits passes it "
+        "only while the refused one would not fit even without those that passed it (so it "
+        "cannot starve). 0: stop at the first refusal, as SGLang.",
+    )
     radix_eviction_policy: str = _f(
         "lru", "Prefix-cache eviction order.", choices=EVICTION_POLICIES
     )

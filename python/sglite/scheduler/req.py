@@ -61,6 +61,7 @@ class Req:
     loaded_host_len: int = 0  # tokens its admissions loaded from the host / file tier
     loaded_storage_len: int = 0
     # scheduling
+    bypassers: list = field(default_factory=list)  # admitted past it while it waited (admission.py)
     num_retractions: int = 0
     epoch: int = 0  # bumped on retraction: in-flight results of an older epoch are dropped
     scheduled_outputs: int = 0  # output tokens scheduled (processed or in flight)
