@@ -50,7 +50,11 @@ def main() -> None:
 
     def long_request(i: int) -> None:
         params = {"max_new_tokens": a.long_tokens, "ignore_eos": True, "temperature": 0}
-        body = {"text": f"Story {i}: once upon a time", "sampling_params": params, "rid": f"long-{i}"}
+        body = {
+            "text": f"Story {i}: once upon a time",
+            "sampling_params": params,
+            "rid": f"long-{i}",
+        }
         try:
             post(f"{a.url}/generate", body, timeout=3600)
         except (urllib.error.URLError, OSError):

@@ -264,8 +264,14 @@ class ServerArgs:
     )
     grammar_compile_timeout: float = _f(
         30.0,
-        "Seconds a structured-output request may wait for its grammar to compile; then it is "
-        "aborted with a 503 (the compile goes on, so a retry can find it cached).",
+        "Seconds a structured-output request may wait for its grammar to compile, and one "
+        "compile may run; then the request is aborted with a 503 (a compile still within its "
+        "own time goes on, so a retry can find it cached; one past it is stopped).",
+    )
+    grammar_compile_max_memory_mb: int = _f(
+        1024,
+        "RAM one grammar compile may take (it runs in a child process, stopped past this: "
+        "HTTP 400, the grammar is too large); a compiled grammar may hold 1/16 of it.",
     )
     watchdog_timeout: float = _f(
         300.0,

@@ -118,6 +118,11 @@ def validate(args: ServerArgs) -> None:
             "grammar_compile_timeout",
             f"must be > 0 seconds, got {args.grammar_compile_timeout}",
         )
+    if args.grammar_compile_max_memory_mb < 16:
+        bad(
+            "grammar_compile_max_memory_mb",
+            f"must be >= 16 MB, got {args.grammar_compile_max_memory_mb}",
+        )
     for f in dataclasses.fields(args):  # every field with choices
         choices = f.metadata.get("choices")
         value = getattr(args, f.name)
