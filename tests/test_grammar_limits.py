@@ -88,7 +88,8 @@ def test_a_compile_past_its_deadline_is_stopped_and_the_next_one_runs(tokenizer)
         with pytest.raises(CompileTimeout, match="did not compile within 0.05 s.*stopped"):
             backend.compile(("json_schema", HUGE_ENUM))
         assert is_gone(pid) and proc.num_killed == 1  # no thread or process left compiling
-        assert backend.compile(("regex", "b+")) is not None  # a fresh child
+        assert proc.num_started == 2 and proc.pid != pid  # the next child is starting
+        assert backend.compile(("regex", "b+")) is not None
         assert proc.num_started == 2
     finally:
         backend.shutdown()

@@ -13,11 +13,11 @@ with the scheduler after it finished. Here each compile thread owns a child proc
   serialized (xgrammar's JSON, deserialized by the parent for its matchers), or the error.
   The parent waits at most `timeout_s`, and meanwhile reads the child's resident memory every
   POLL_S: past the deadline (CompileTimeout), or past `max_memory_bytes` above the child's idle
-  footprint (GrammarError, too large), it kills the child; the next compile starts a new one.
+  footprint (GrammarError, too large), it kills the child and starts the next one at once.
 - the child refuses a compiled grammar over `max_compiled_bytes` (the scheduler would hold it,
   and deserialize it first).
 - a child that grew by more than RECYCLE_BYTES is replaced after it answered: its heap goes
-  back to the OS with it.
+  back to the OS with it. A child that died by itself is started again by the next compile.
 
 Protocol: length-prefixed pickles on the child's stdin and on a private copy of its stdout
 (fd 1 is pointed at stderr in the child, so a library's print cannot corrupt the stream). A
@@ -163,11 +163,14 @@ class CompileProcess:
             raise CompileCrashed(payload)
         return status, payload
 
-    def kill(self) -> None:
+    def kill(self, respawn: bool = True) -> None:
+        """Stop the child; with `respawn`, start the next one at once (it imports meanwhile)."""
         if self.proc is not None:
             self.num_killed += 1
             self.proc.kill()
             self._lost()
+        if respawn:
+            self.spawn()
 
     def close(self) -> None:
         """Stop the child (EOF on its stdin, then kill if it lingers)."""
@@ -213,7 +216,7 @@ class CompileProcess:
         try:
             _send(proc.stdin, self.init)
         except OSError as e:
-            self.kill()
+            self.kill(respawn=False)
             raise CompileCrashed(f"the compile process did not start: {e}") from None
         ready, _, _ = select.select([proc.stdout.fileno()], [], [], START_TIMEOUT_S)
         try:
@@ -221,7 +224,7 @@ class CompileProcess:
                 raise EOFError(f"not ready after {START_TIMEOUT_S:g} s")
             status, self.idle_bytes = _recv(proc.stdout.fileno())
         except (EOFError, OSError, pickle.UnpicklingError) as e:
-            self.kill()
+            self.kill(respawn=False)
             raise CompileCrashed(f"the compile process did not start: {e}") from None
         self.initialized = True
         return proc
