@@ -90,6 +90,13 @@ class ServerArgs:
         "Max prompt tokens per chunk; -1 disables chunking (default 8192 on CUDA, 512 on CPU).",
     )
     schedule_policy: str = _f("fcfs", "Waiting-queue order.", choices=SCHEDULE_POLICIES)
+    prefill_lookahead_requests: int = _f(
+        32,
+        "Waiting requests past the first one refused for KV memory that a prefill pass still "
+        "tries, so a small request is not held behind a large one; one that fits passes it "
+        "only while the refused one would not fit even without those that passed it (so it "
+        "cannot starve). 0: stop at the first refusal, as SGLang.",
+    )
     radix_eviction_policy: str = _f(
         "lru", "Prefix-cache eviction order.", choices=EVICTION_POLICIES
     )
@@ -312,8 +319,14 @@ class ServerArgs:
     )
     grammar_compile_timeout: float = _f(
         30.0,
-        "Seconds a structured-output request may wait for its grammar to compile; then it is "
-        "aborted with a 503 (the compile goes on, so a retry can find it cached).",
+        "Seconds a structured-output request may wait for its grammar to compile, and one "
+        "compile may run; then the request is aborted with a 503 (a compile still within its "
+        "own time goes on, so a retry can find it cached; one past it is stopped).",
+    )
+    grammar_compile_max_memory_mb: int = _f(
+        1024,
+        "RAM one grammar compile may take (it runs in a child process, stopped past this: "
+        "HTTP 400, the grammar is too large); a compiled grammar may hold 1/16 of it.",
     )
     watchdog_timeout: float = _f(
         300.0,

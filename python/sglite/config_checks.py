@@ -99,6 +99,8 @@ def validate(args: ServerArgs) -> None:
         bad("mem_fraction_static", f"must be in (0, 1), got {args.mem_fraction_static}")
     if args.max_running_requests is not None and args.max_running_requests < 1:
         bad("max_running_requests", f"must be >= 1, got {args.max_running_requests}")
+    if args.prefill_lookahead_requests < 0:
+        bad("prefill_lookahead_requests", f"must be >= 0, got {args.prefill_lookahead_requests}")
     if args.max_prefill_tokens < 1:
         bad("max_prefill_tokens", f"must be >= 1, got {args.max_prefill_tokens}")
     c = args.chunked_prefill_size
@@ -141,6 +143,11 @@ def validate(args: ServerArgs) -> None:
         bad(
             "grammar_compile_timeout",
             f"must be > 0 seconds, got {args.grammar_compile_timeout}",
+        )
+    if args.grammar_compile_max_memory_mb < 16:
+        bad(
+            "grammar_compile_max_memory_mb",
+            f"must be >= 16 MB, got {args.grammar_compile_max_memory_mb}",
         )
     for f in dataclasses.fields(args):  # every field with choices
         choices = f.metadata.get("choices")
