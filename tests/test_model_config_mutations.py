@@ -101,7 +101,7 @@ REFUSED = {
     "gemma bidirectional attention": (
         "gemma",
         {"config": {"use_bidirectional_attention": True}},
-        r"use_bidirectional_attention=True is not supported",
+        r"use_bidirectional_attention=True .*is not supported",
     ),
     "gpt_neox with KV heads": (
         "gpt_neox",
