@@ -1,10 +1,13 @@
 """Every model family on a tiny random checkpoint matches transformers on the same weights.
 
-For each architecture (tests/fixtures/tiny_families.py, and Llama with `hidden_act: gelu`),
-at page sizes 1 and 16 over a fragmented allocator: the logits of a one-shot prefill and of
-a chunked one (three chunks) match transformers' forward, so does a prefill over a warm
-prefix (another request's cached pages), and greedy decoding gives transformers.generate's
-tokens and logits. Then the length-dependent RoPE types: Phi-3's longrope with a prompt past
+For each architecture (tests/fixtures/tiny_families.py, and Llama with `hidden_act: gelu`)
+and the phase-1 families with their sliding windows on (WINDOWED: Starcoder2, Phi-3, Qwen2,
+Qwen3, SmolLM3, EXAONE 4's hybrid; windows of 8 on a 40-token prompt, as in the hybrid
+families Gemma 2/3 and Cohere 2), at page sizes 1 and 16 over a fragmented allocator: the
+logits of a one-shot prefill and of a chunked one (three chunks, each crossing a window)
+match transformers' forward, so does a prefill over a warm prefix (another request's cached
+pages, longer than the window), and greedy decoding gives transformers.generate's tokens
+and logits. Then the length-dependent RoPE types: Phi-3's longrope with a prompt past
 `original_max_position_embeddings` (long factors) and one that crosses it while decoding,
 and dynamic NTK past `max_position_embeddings`, both against transformers' generate with its
 KV cache, whose per-step rule sglite follows (sglite.layers.rotary_embedding).

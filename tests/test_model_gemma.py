@@ -7,7 +7,8 @@
   base with `rope_scaling`; the transformers 4.x config form (`rope_local_base_freq`,
   `rope_scaling` on top) gives the same tables and logits.
 - Gemma 2 on the torch_native and Triton (interpreted) attention backends, not only the
-  native CPU one: prefill and greedy decoding with caps and windows equal transformers'.
+  native CPU one: prefill and greedy decoding with caps and windows equal transformers'
+  (and Gemma 2/3 on CUDA with the compiled kernels and CUDA graphs, under SGL_TEST_GPU=1).
 - Chat through /v1/chat/completions with a Gemma-3-style template (a system turn folded into
   the first user turn, `model` turns): the prompt the server renders is the template's.
 - The real Gemma 3 270M (the Q4_K_M GGUF as transformers reads it,
@@ -34,7 +35,8 @@ def _runner(path, **kwargs):
     from sglite.model_executor.model_runner import ModelRunner
 
     kwargs.setdefault("max_total_tokens", 512)
-    return ModelRunner(path, device="cpu", **kwargs)
+    kwargs.setdefault("device", "cpu")
+    return ModelRunner(path, **kwargs)
 
 
 def _prefill(runner, prompt=PROMPT) -> torch.Tensor:
@@ -127,6 +129,29 @@ def test_gemma2_on_other_attention_backends_matches_transformers(
         torch.testing.assert_close(out, ref_logits[step], atol=ATOL, rtol=0)
         tokens.append(int(out.argmax()))
     assert tokens == expected
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_triton_on_cuda_with_graphs_matches_transformers(arch, tiny_model_dir, tiny_hf_model):
+    """The compiled kernels (fp32) with caps, windows and two rotary tables, and the decode
+    CUDA graphs."""
+    hf = tiny_hf_model(arch)
+    runner = _runner(
+        tiny_model_dir(arch), device="cuda", dtype="float32", page_size=16,
+        max_total_tokens=1024, attention_backend="triton",
+    )  # fmt: skip
+    driver = Driver(runner)
+    seq = driver.new_seq()
+    logits = driver.extend([seq], [PROMPT], return_all_logits=True).cpu()
+    torch.testing.assert_close(logits, _hf_logits(hf), atol=ATOL, rtol=0)
+    expected, _ = hf_greedy(hf, PROMPT, 6)
+    tokens = [int(logits[-1].argmax())]
+    for _ in range(5):
+        tokens.append(int(driver.decode([seq], [tokens[-1]])[0].argmax()))
+    assert tokens == expected
+    assert runner.graph_runner.num_replays > 0
 
 
 # Gemma 3's template shape: a system turn goes into the first user turn, assistant turns
