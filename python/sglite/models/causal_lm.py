@@ -43,20 +43,23 @@ STACKED_GATE_UP = (("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj",
 
 def _check(config: ModelConfig, spec: DecoderSpec) -> None:
     arch = config.architecture
-    try:
-        rope_type = check_rope_type(config.rope_scaling)
-    except ValueError as e:
-        raise ValueError(f"{arch}: {e}") from None
-    if config.partial_rotary_factor != 1.0 and spec.rotary_factor == 1.0 and rope_type != "default":
-        raise ValueError(
-            f"{arch}: partial_rotary_factor={config.partial_rotary_factor} is not supported: "
-            f"{arch} rotates the whole head"
-        )
     if spec.rope_layers is not None and len(spec.rope_layers) != config.num_layers:
         raise ValueError(
             f"{arch}: no_rope_layers has {len(spec.rope_layers)} entries for "
             f"{config.num_layers} layers"
         )
+    ropes = [config.rope_for(i).scaling for i in range(config.num_layers)]
+    for scaling in [config.rope_scaling, *ropes]:
+        try:
+            rope_type = check_rope_type(scaling)
+        except ValueError as e:
+            raise ValueError(f"{arch}: {e}") from None
+        partial = config.partial_rotary_factor
+        if partial != 1.0 and spec.rotary_factor == 1.0 and rope_type != "default":
+            raise ValueError(
+                f"{arch}: partial_rotary_factor={partial} is not supported: {arch} rotates "
+                "the whole head"
+            )
 
 
 class DecoderForCausalLM(nn.Module):

@@ -99,9 +99,10 @@ class DecoderAttention(nn.Module):
             self.num_kv_heads,
             layer_id,
             sliding_window=config.sliding_window_for(layer_id),
+            logit_cap=spec.attn_logit_cap,
         )
 
-    def forward(self, rope: Rope, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, rope: Rope | None, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)
         if self.clip_qkv is not None:
@@ -167,7 +168,7 @@ class DecoderLayer(nn.Module):
         self.run = getattr(self, f"_{b.spec.layout}")
 
     def forward(
-        self, rope: Rope, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch
+        self, rope: Rope | None, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return self.run(rope, x, residual, batch)
 
@@ -210,38 +211,55 @@ class DecoderModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, **b.kw)
         d = config.head_dim
         rotary_dim = int(d * spec.rotary_factor)
-        self.rotary_emb = RotaryEmbedding(
-            d,
-            config.context_length,
-            config.rope_theta,
-            config.rope_scaling,
-            rotary_dim=rotary_dim,
-            model_max_positions=config.max_position_embeddings,
-            dtype=b.dtype,
-            device=b.device,
-        )
         perm = rotary_permutation(d, rotary_dim, spec.rope_interleaved)
         rotates = spec.rope_layers or (True,) * config.num_layers
+        # One rotary table per distinct RopeParams among the rotating layers (Gemma 3: the
+        # local base on sliding layers, the global one with rope_scaling on full layers);
+        # `rope_idx[i]`: the table layer i reads, None for a NoPE layer.
+        ropes, self.rope_idx = [], []
+        for i in range(config.num_layers):
+            params = config.rope_for(i) if rotates[i] else None
+            if params is not None and params not in ropes:
+                ropes.append(params)
+            self.rope_idx.append(None if params is None else ropes.index(params))
+        self.rotary_embs = nn.ModuleList(
+            RotaryEmbedding(
+                d,
+                config.context_length,
+                params.theta,
+                params.scaling,
+                rotary_dim=rotary_dim,
+                model_max_positions=config.max_position_embeddings,
+                dtype=b.dtype,
+                device=b.device,
+            )
+            for params in ropes
+        )
         self.layers = nn.ModuleList(
             DecoderLayer(
                 b,
-                DecoderAttention(b, i, self.rotary_emb if rotates[i] else None, perm),
+                DecoderAttention(b, i, None if j is None else self.rotary_embs[j], perm),
                 DecoderMLP(b),
             )
-            for i in range(config.num_layers)
+            for i, j in enumerate(self.rope_idx)
         )
         self.norm = b.norm(config.hidden_size)
         self.embed_scale = spec.embed_scale
         if spec.embed_scale_in_dtype:  # the scale as the model dtype holds it (Gemma)
             self.embed_scale = float(torch.tensor(spec.embed_scale, dtype=b.dtype))
 
+    @property
+    def rotary_emb(self) -> RotaryEmbedding:
+        """The first rotary table (the only one unless the layer types rotate differently)."""
+        return self.rotary_embs[0]
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch):
         x = self.embed_tokens(input_ids)
         if self.embed_scale != 1.0:
             x = x * self.embed_scale
-        rope = self.rotary_emb.lookup(positions, batch)
+        ropes = [emb.lookup(positions, batch) for emb in self.rotary_embs]
         residual = None
-        for layer in self.layers:
-            x, residual = layer(rope, x, residual, batch)
+        for layer, j in zip(self.layers, self.rope_idx):
+            x, residual = layer(None if j is None else ropes[j], x, residual, batch)
         x, _ = self.norm(x, residual)
         return x

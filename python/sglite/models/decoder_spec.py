@@ -48,6 +48,7 @@ class DecoderSpec:
     embed_scale_in_dtype: bool = False  # Gemma rounds sqrt(hidden) to the model dtype first
     residual_scale: float = 1.0  # Granite: each branch's output times this
     attn_scale: float | None = None  # softmax scale; None: head_dim ** -0.5
+    attn_logit_cap: float = 0.0  # Gemma 2: scores c * tanh(s / c) before the softmax; 0: none
     logit_scale: float = 1.0
     final_logit_softcap: float | None = None
     clip_qkv: float | None = None  # OLMo: q, k and v clamped to [-c, c]
@@ -57,6 +58,8 @@ class DecoderSpec:
         if self.layout not in LAYOUTS:
             raise ValueError(f"layout {self.layout!r} is not one of {', '.join(LAYOUTS)}")
         check_activation(self.act)
+        if not self.attn_logit_cap >= 0.0:
+            raise ValueError(f"attn_logit_softcapping={self.attn_logit_cap} must be >= 0")
         if not 0.0 < self.rotary_factor <= 1.0:
             raise ValueError(f"partial_rotary_factor={self.rotary_factor} must be in (0, 1]")
 
