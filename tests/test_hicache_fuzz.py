@@ -10,7 +10,6 @@ loaded back is stored again under its new slots) and the blocks left are the dev
 from __future__ import annotations
 
 import random
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -22,6 +21,7 @@ from fixtures.kv_subscriber import apply_events
 from sglite.kv_events.recorder import KvEventRecorder
 from sglite.mem_cache.hicache import HiCache
 from sglite.mem_cache.host_pool import HostKVPool
+from sglite.mem_cache.memory_pool import KVPool
 
 NUM_CASES = 60
 POLICIES = ["write_through", "write_through_selective", "write_back"]
@@ -34,10 +34,8 @@ def attach_host_tier(cache, kv: np.ndarray, rng: random.Random, core) -> None:
         return
     ps = cache.page_size
     values = torch.from_numpy(kv.view(np.int64)).view(-1, 1, 1)  # shares the worker's memory
-    pool = SimpleNamespace(
-        num_slots=len(kv) - ps, page_size=ps, num_layers=1, num_kv_heads=1, head_dim=1,
-        dtype=torch.int64, device=torch.device("cpu"), k_buffer=[values], v_buffer=[values],
-    )  # fmt: skip
+    pool = KVPool(len(kv) - ps, ps, 1, 1, 1, torch.int64, "cpu")
+    pool.k_buffer = pool.v_buffer = [values]  # its one buffer (twice) is the worker's K/V
     host_slots = max(int(pool.num_slots * rng.choice([0.5, 1.5, 4.0])) // ps, 1) * ps
     args = cache.tree  # the device-only tree the Harness built: same page size and policy
     assert args.node_count() == 0

@@ -38,7 +38,7 @@ from sglite.distributed import (
     init_tp_group,
     local_head_counts,
 )
-from sglite.mem_cache.memory_pool import KVPool, ReqToTokenPool, kv_slots_for_budget
+from sglite.mem_cache.memory_pool import ReqToTokenPool, kv_slots_for_budget
 from sglite.model_executor.cuda_graph_runner import (
     CudaGraphRunner,
     NoCudaGraphs,
@@ -187,8 +187,8 @@ class ModelRunner:
         import sglite.core
 
         cfg, ps = self.model_config, self.page_size
-        kv_heads = self.num_local_kv_heads
-        per_slot = KVPool.bytes_per_slot(cfg.num_layers, kv_heads, cfg.head_dim, self.dtype)
+        layout = self.model.kv_layout()  # per-head K/V (this rank's heads) or MLA's latent
+        per_slot = layout.bytes_per_token(self.dtype)
         if max_total_tokens is not None:
             num_slots = max_total_tokens // ps * ps
         elif self.device.type == "cuda":
@@ -219,21 +219,17 @@ class ModelRunner:
             raise ValueError(f"max_running_requests must be >= 1, got {max_running_requests}")
         self.max_running_requests = max_running_requests or min(4096, max(16, num_slots // 32))
         logger.info("building the KV pool: %d tokens", num_slots)
-        self.kv_pool = KVPool(
-            num_slots, ps, cfg.num_layers, kv_heads, cfg.head_dim, self.dtype, self.device
-        )
+        self.kv_pool = layout.build(num_slots, ps, self.dtype, self.device)
         self.req_to_token_pool = ReqToTokenPool(
             self.max_running_requests, cfg.context_length, self.device
         )
         core = sglite.core.load(tree_core, page_size=ps)
         self.allocator = core.PageAllocator(num_slots, ps)
         logger.info(
-            "KV pool: %d slots (%.2f GiB, page size %d), %d request rows",
-            num_slots,
-            self.kv_pool.memory_bytes() / (1 << 30),
-            ps,
-            self.max_running_requests,
-        )
+            "KV pool: %d tokens, %s B/token (%s), %.2f GiB, page size %d, %d request rows",
+            num_slots, f"{per_slot:,}", layout.describe(self.dtype),
+            self.kv_pool.memory_bytes() / (1 << 30), ps, self.max_running_requests,
+        )  # fmt: skip
 
     def _init_cuda_graphs(
         self, disable: bool, max_bs: int | None
