@@ -1,11 +1,13 @@
 """ModelRunner: owns the model, the KV memory and the attention backend; runs forward and sample.
 
 Start-up, in order: pick device and dtype, read the config, load the weights (packed for
-oneDNN on CPU), size the KV pool (`max_total_tokens`, or on CUDA `mem_fraction_static` of
-the GPU memory), create the tree core's `PageAllocator` over those slots, the
-`ReqToTokenPool`, and the attention backend; on CUDA, last, capture the decode CUDA graphs
-(`cuda_graph_runner.py`; `disable_cuda_graph`, `cuda_graph_max_bs`, default
-min(160, max_running_requests)). On CPU there are no graphs (`NoCudaGraphs`).
+oneDNN on CPU), size the KV pool from the model's `kv_layout()` (per-head K/V, or MLA's
+latent rows; the log line gives its bytes per token, for MLA next to what MHA would need)
+to `max_total_tokens`, or on CUDA `mem_fraction_static` of the GPU memory, create the tree
+core's `PageAllocator` over those slots, the `ReqToTokenPool`, and the attention backend; on
+CUDA, last, capture the decode CUDA graphs (`cuda_graph_runner.py`; `disable_cuda_graph`,
+`cuda_graph_max_bs`, default min(160, max_running_requests)). On CPU there are no graphs
+(`NoCudaGraphs`).
 
 Per step the caller (the scheduler, or a test) allocates slots with `runner.allocator`,
 writes the request rows of `runner.req_to_token_pool`, builds a `ForwardBatch`
@@ -17,7 +19,8 @@ Tensor parallelism (`tp_size` > 1, one ModelRunner per rank, each in its own pro
 running the same batches): the runner first checks that tp_size splits the model (else a
 ValueError naming the sizes that do), joins the TP group at `dist_init_addr` (rank 0
 listens there; `dist_timeout` seconds to rendezvous), loads its shard of the weights and
-builds a KV pool of its own KV heads, sized to the smallest budget of any rank. CUDA decode
+builds a KV pool of its own KV heads (MLA's latent pool: the same on every rank), sized to
+the smallest budget of any rank. CUDA decode
 graphs are off under TP for now. Every rank's forward returns the same full logits.
 Sampling: rank 0 samples and broadcasts its tokens, so every rank returns rank 0's tokens
 (even for unseeded requests, which draw from torch's RNG, whose state may differ by rank).
