@@ -217,8 +217,8 @@ def test_architectures_registered_by_their_hf_names():
 def test_mtp_layers_of_a_v3_checkpoint_are_not_loaded(model_dir):
     """V3 checkpoints carry `num_nextn_predict_layers` layers after the last one."""
     from sglite.models.loader import iter_weights
-    from sglite.models.registry import get_model_class
     from sglite.models.model_config import ModelConfig
+    from sglite.models.registry import get_model_class
 
     path = model_dir("v3")
     cfg = ModelConfig.from_pretrained(path)
