@@ -14,6 +14,7 @@ o_proj, q_norm, k_norm}, mlp.{gate_up_proj or up_proj, down_proj}}`, `model.norm
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -160,7 +161,7 @@ _LAYOUT_NORMS = {
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, b: Build, attn: DecoderAttention, mlp: DecoderMLP) -> None:
+    def __init__(self, b: Build, attn: nn.Module, mlp: nn.Module) -> None:
         super().__init__()
         self.self_attn, self.mlp = attn, mlp
         for name in _LAYOUT_NORMS[b.spec.layout]:
@@ -204,12 +205,24 @@ class DecoderLayer(nn.Module):
         return attn + self.mlp(self.post_attention_layernorm(h)), h
 
 
+def dense_mlp(b: Build, layer_id: int) -> nn.Module:
+    """Every layer's MLP of a dense family (the default `mlp_for_layer`)."""
+    return DecoderMLP(b)
+
+
 class DecoderModel(nn.Module):
-    def __init__(self, b: Build) -> None:
+    def __init__(
+        self,
+        b: Build,
+        attention_cls: type[nn.Module] = DecoderAttention,
+        mlp_for_layer: Callable[[Build, int], nn.Module] = dense_mlp,
+    ) -> None:
+        """`attention_cls(b, layer_id, rotary_emb, head_permutation)` builds each layer's
+        attention; `mlp_for_layer(b, layer_id)` its MLP (a family may mix kinds)."""
         super().__init__()
         config, spec = b.config, b.spec
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, **b.kw)
-        d = config.head_dim
+        d = spec.mla.qk_rope_head_dim if spec.mla is not None else config.head_dim
         rotary_dim = int(d * spec.rotary_factor)
         perm = rotary_permutation(d, rotary_dim, spec.rope_interleaved)
         rotates = spec.rope_layers or (True,) * config.num_layers
@@ -238,8 +251,8 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(
             DecoderLayer(
                 b,
-                DecoderAttention(b, i, None if j is None else self.rotary_embs[j], perm),
-                DecoderMLP(b),
+                attention_cls(b, i, None if j is None else self.rotary_embs[j], perm),
+                mlp_for_layer(b, i),
             )
             for i, j in enumerate(self.rope_idx)
         )

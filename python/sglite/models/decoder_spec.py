@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sglite.layers.activation import check_activation
+from sglite.layers.latent_attention import MLASpec
 from sglite.layers.layernorm import NormSpec
 from sglite.layers.qk_norm import QKNormSpec
 
@@ -53,6 +54,9 @@ class DecoderSpec:
     final_logit_softcap: float | None = None
     clip_qkv: float | None = None  # OLMo: q, k and v clamped to [-c, c]
     lm_head_bias: bool = False
+    # multi-head latent attention (DeepSeek-V2/V3) instead of per-head K/V: its dims; rope
+    # then covers its qk_rope_head_dim dims (sglite.models.decoder_mla)
+    mla: MLASpec | None = None
 
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:

@@ -32,6 +32,8 @@ MODELS = {
     "GPTNeoXForCausalLM": "sglite.models.gpt_neox",
     "StableLmForCausalLM": "sglite.models.stablelm",
     "Starcoder2ForCausalLM": "sglite.models.starcoder2",
+    "DeepseekV2ForCausalLM": "sglite.models.deepseek_v2",
+    "DeepseekV3ForCausalLM": "sglite.models.deepseek_v2",
 }
 
 
