@@ -9,7 +9,8 @@ layout allows it: a layer takes and returns `(x, residual)`, the stream being `x
 Parameter names (our side of the checkpoint mapping, see sglite.models.causal_lm):
 `model.embed_tokens`, `model.layers.<i>.{input_layernorm, post_attention_layernorm (the MLP's
 input), post_self_attn_layernorm, post_mlp_layernorm (the outputs' norms), self_attn.{qkv_proj,
-o_proj, q_norm, k_norm}, mlp.{gate_up_proj or up_proj, down_proj}}`, `model.norm`, `lm_head`.
+o_proj, q_norm, k_norm}, mlp.{gate_up_proj or up_proj, down_proj}}`, `model.norm`, `lm_head`;
+a MoE family's sparse layers hold `mlp` = sglite.layers.moe.block.SparseMoeBlock instead.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from sglite.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
 )
+from sglite.layers.moe.block import SparseMoeBlock
 from sglite.layers.qk_norm import permute_on_load
 from sglite.layers.radix_attention import RadixAttention
 from sglite.layers.rotary_embedding import RotaryEmbedding, rotary_permutation
@@ -143,6 +145,14 @@ class DecoderMLP(nn.Module):
         return out if self.out_scale == 1.0 else out * self.out_scale
 
 
+def build_mlp(b: Build, layer_id: int) -> nn.Module:
+    """The layer's MLP: the MoE block on a sparse layer of a MoE family, else the dense one."""
+    moe = b.spec.moe
+    if moe is not None and moe.is_sparse(layer_id):
+        return SparseMoeBlock(moe, b.config.hidden_size, **b.kw)
+    return DecoderMLP(b)
+
+
 # the norms each layout has (see DecoderSpec's table)
 _LAYOUT_NORMS = {
     "pre": ("input_layernorm", "post_attention_layernorm"),
@@ -226,7 +236,7 @@ class DecoderModel(nn.Module):
             DecoderLayer(
                 b,
                 DecoderAttention(b, i, self.rotary_emb if rotates[i] else None, perm),
-                DecoderMLP(b),
+                build_mlp(b, i),
             )
             for i in range(config.num_layers)
         )

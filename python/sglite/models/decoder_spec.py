@@ -26,6 +26,7 @@ from typing import Any
 
 from sglite.layers.activation import check_activation
 from sglite.layers.layernorm import NormSpec
+from sglite.layers.moe.block import MoESpec
 from sglite.layers.qk_norm import QKNormSpec
 
 LAYOUTS = ("pre", "sandwich", "post", "parallel", "parallel2")
@@ -52,6 +53,7 @@ class DecoderSpec:
     final_logit_softcap: float | None = None
     clip_qkv: float | None = None  # OLMo: q, k and v clamped to [-c, c]
     lm_head_bias: bool = False
+    moe: MoESpec | None = None  # the sparse layers' MoE block (sglite.layers.moe.block)
 
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:
