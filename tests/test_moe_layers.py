@@ -32,6 +32,7 @@ from sglite.layers.moe.fused_cpu import (
     grouped_forward,
     masked_forward,
     naive_forward,
+    single_token_forward,
 )
 from sglite.models.causal_lm import STACKED_GATE_UP
 from sglite.models.moe_lm import expert_target
@@ -218,12 +219,21 @@ def test_grouped_compute_matches_the_naive_loop(num_tokens, packed):
 def test_grouping_keeps_only_the_local_experts():
     ids = torch.tensor([[0, 5], [3, 2], [5, 6], [7, 1]])
     weights = torch.arange(8, dtype=torch.float32).view(4, 2)
-    groups = group_by_expert(ids, weights, expert_start=4, num_local=4)  # experts 4..7
+    groups = group_by_expert(ids, weights, expert_start=4, num_local=4, num_experts=8)
     assert groups.counts == [0, 2, 1, 1]
     assert groups.token_idx.tolist() == [0, 2, 2, 3]
     assert groups.weights.view(-1).tolist() == [1.0, 4.0, 5.0, 6.0]
-    out = grouped_forward(torch.ones(4, 3), groups, lambda e, rows: rows * (e + 1))
+
+    def scale(e, rows):  # local expert e multiplies by e + 1
+        return rows * (e + 1)
+
+    out = grouped_forward(torch.ones(4, 3), groups, scale)
     assert out[:, 0].tolist() == [2 * 1, 0, 2 * 4 + 3 * 5, 4 * 6]
+    for t in range(4):  # the batch-1 path drops the same experts
+        one = single_token_forward(
+            torch.ones(1, 3), ids[t : t + 1], weights[t : t + 1], 4, 4, scale
+        )
+        assert one[0, 0].item() == out[t, 0].item()
 
 
 def test_layer_schedules_follow_each_familys_rule():

@@ -31,7 +31,12 @@ from torch import nn
 from sglite.distributed import NULL_TP_GROUP, TPGroup
 from sglite.layers.activation import GatedActivation, check_activation
 from sglite.layers.linear import _copy_checked, can_prepack
-from sglite.layers.moe.fused_cpu import group_by_expert, grouped_forward, masked_forward
+from sglite.layers.moe.fused_cpu import (
+    group_by_expert,
+    grouped_forward,
+    masked_forward,
+    single_token_forward,
+)
 
 FUSED_FORMS = ("stacked", "gpt_oss")
 CLAMPED_SWIGLU = "clamped_swiglu"
@@ -229,5 +234,10 @@ class FusedExperts(nn.Module):
             return masked_forward(
                 x, topk_ids, topk_weights, s.expert_start, s.num_local, self.run_expert
             )
-        groups = group_by_expert(topk_ids, topk_weights, s.expert_start, s.num_local)
+        if x.shape[0] == 1:
+            return single_token_forward(
+                x, topk_ids, topk_weights, s.expert_start, s.num_local, self.run_expert
+            )
+        num = self.spec.num_experts
+        groups = group_by_expert(topk_ids, topk_weights, s.expert_start, s.num_local, num)
         return grouped_forward(x, groups, self.run_expert)

@@ -8,7 +8,8 @@ packed on CPU, see FusedExperts.prepack), scales the rows by their routing weigh
 scatter-adds them back to their tokens. Python loops over the experts that have tokens,
 never over tokens. One host sync per layer (the per-expert counts), cheap on CPU.
 
-`masked_forward` is the sync-free form for devices that capture graphs (CUDA, until a
+`single_token_forward` is the batch-1 decode path: the token's k experts in turn, with
+no sort. `masked_forward` is the sync-free form for devices that capture graphs (CUDA, until a
 Triton fused-MoE kernel lands): every local expert runs over every token, the rows of
 tokens that did not choose it weighted 0. `naive_forward` is transformers' loop (a mask
 per expert, all experts in turn) over plain weights: the reference of tests and benches.
@@ -39,12 +40,19 @@ class ExpertGroups:
 
 
 def group_by_expert(
-    topk_ids: torch.Tensor, topk_weights: torch.Tensor, expert_start: int, num_local: int
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    expert_start: int,
+    num_local: int,
+    num_experts: int | None = None,
 ) -> ExpertGroups:
+    """`num_experts`: the model's; when this rank holds them all, no id needs dropping."""
     top_k = topk_ids.shape[1]
-    local = topk_ids.reshape(-1) - expert_start
-    # experts of other ranks go to bucket num_local, sorted last and cut off
-    local = torch.where((local >= 0) & (local < num_local), local, num_local)
+    local = topk_ids.reshape(-1)
+    if num_experts is None or num_local < num_experts:
+        # experts of other ranks go to bucket num_local, sorted last and cut off
+        local = local - expert_start
+        local = torch.where((local >= 0) & (local < num_local), local, num_local)
     order = local.argsort(stable=True)
     counts = torch.bincount(local, minlength=num_local + 1)[:num_local].tolist()
     order = order[: sum(counts)]
@@ -66,6 +74,24 @@ def grouped_forward(x: torch.Tensor, groups: ExpertGroups, run_expert: RunExpert
     weighted = torch.cat(outs) if len(outs) > 1 else outs[0]
     weighted = weighted * groups.weights.to(weighted.dtype)
     return out.index_add_(0, groups.token_idx, weighted)
+
+
+def single_token_forward(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    expert_start: int,
+    num_local: int,
+    run_expert: RunExpert,
+) -> torch.Tensor:
+    """One token (batch-1 decode): its k experts in turn, in expert order like the grouped
+    path, without the sort, gathers and scatter that only pay with many tokens."""
+    out = torch.zeros_like(x)
+    for e, weight in sorted(zip(topk_ids[0].tolist(), topk_weights[0].tolist())):
+        local = e - expert_start
+        if 0 <= local < num_local:
+            out.add_(run_expert(local, x), alpha=weight)
+    return out
 
 
 def masked_forward(
