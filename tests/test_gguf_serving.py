@@ -88,7 +88,7 @@ def test_every_process_of_a_dp_server_sees_the_converted_folder(tiny_model_dir, 
 
     path = write_gguf(tiny_model_dir("llama"), tmp_path / "tiny.gguf", qtype="Q8_0")
     srv = start_server(
-        ["--model-path", str(path), "--dp-size", "2"],
+        ["--model-path", str(path), "--dp-size", "2", "--expose-local-paths"],
         tmp_path / "server.log",
         fake=True,
         tmpdir=tmp_path,
@@ -100,6 +100,7 @@ def test_every_process_of_a_dp_server_sees_the_converted_folder(tiny_model_dir, 
             assert r.status_code == 200 and r.json()["text"], r.text
         info = httpx.get(srv.url + "/get_server_info", timeout=30).json()
         assert info["served_model_name"] == str(path)
+        # --expose-local-paths: the info routes show the converted folder all processes use
         assert info["model_path"].startswith(str(tmp_path / "cache" / "gguf" / "tiny-"))
     finally:
         assert srv.stop() == 0, srv.log()[-3000:]

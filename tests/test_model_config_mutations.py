@@ -69,15 +69,36 @@ MATCHES = {
         "smollm3",
         {"config": {"no_rope_layers": [0, 1, 0, 1]}},
     ),
-    # windowed layers rotate, the global one is NoPE; the window is past this prompt
+    # windowed layers rotate, the global one is NoPE (a window shorter than the prompt)
     "exaone4 hybrid layers": (
         "exaone4",
         {
             "config": {
-                "sliding_window": 64,
+                "sliding_window": 16,
                 "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
             }
         },
+    ),
+    # sliding_window set, every layer full: no layer rotates (transformers' rule)
+    "exaone4 window, no sliding layer": (
+        "exaone4",
+        {"config": {"sliding_window": 16, "layer_types": ["full_attention"] * 3}},
+    ),
+    "gemma2 without soft-caps": (
+        "gemma2",
+        {"config": {"attn_logit_softcapping": None, "final_logit_softcapping": None}},
+    ),
+    "gemma2 attention_bias": ("gemma2", {"config": {"attention_bias": True}}),
+    "gemma2 every layer full": ("gemma2", {"config": {"layer_types": ["full_attention"] * 4}}),
+    "gemma3 final_logit_softcapping": ("gemma3", {"config": {"final_logit_softcapping": 2.0}}),
+    "gemma3 layer_types full first": (
+        "gemma3",
+        {"config": {"layer_types": ["full_attention"] + ["sliding_attention"] * 5}},
+    ),
+    # Cohere 2 rotates exactly its windowed layers: none here
+    "cohere2 every layer full (NoPE everywhere)": (
+        "cohere2",
+        {"config": {"layer_types": ["full_attention"] * 4}},
     ),
 }
 
@@ -134,10 +155,16 @@ REFUSED = {
         {"config": {"architectures": ["CohereForCausalLM"]}},
         r"has no 'layer_norm_eps'",
     ),
-    "gemma 2 (not yet served)": (
+    "gemma 3 multimodal (not served)": (
         "gemma",
-        {"config": {"architectures": ["Gemma2ForCausalLM"]}},
-        r"'Gemma2ForCausalLM' is not supported",
+        {"config": {"architectures": ["Gemma3ForConditionalGeneration"]}},
+        r"'Gemma3ForConditionalGeneration' is not supported",
+    ),
+    # transformers' Gemma 3 reads the field but never applies it: ambiguous, refused
+    "gemma3 attn_logit_softcapping": (
+        "gemma3",
+        {"config": {"attn_logit_softcapping": 50.0}},
+        r"Gemma3ForCausalLM: attn_logit_softcapping=50.0 is not supported",
     ),
 }
 

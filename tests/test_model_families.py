@@ -1,10 +1,13 @@
 """Every model family on a tiny random checkpoint matches transformers on the same weights.
 
-For each architecture (tests/fixtures/tiny_families.py, and Llama with `hidden_act: gelu`),
-at page sizes 1 and 16 over a fragmented allocator: the logits of a one-shot prefill and of
-a chunked one (three chunks) match transformers' forward, so does a prefill over a warm
-prefix (another request's cached pages), and greedy decoding gives transformers.generate's
-tokens and logits. Then the length-dependent RoPE types: Phi-3's longrope with a prompt past
+For each architecture (tests/fixtures/tiny_families.py, and Llama with `hidden_act: gelu`)
+and the phase-1 families with their sliding windows on (WINDOWED: Starcoder2, Phi-3, Qwen2,
+Qwen3, SmolLM3, EXAONE 4's hybrid; windows of 8 on a 40-token prompt, as in the hybrid
+families Gemma 2/3 and Cohere 2), at page sizes 1 and 16 over a fragmented allocator: the
+logits of a one-shot prefill and of a chunked one (three chunks, each crossing a window)
+match transformers' forward, so does a prefill over a warm prefix (another request's cached
+pages, longer than the window), and greedy decoding gives transformers.generate's tokens
+and logits. Then the length-dependent RoPE types: Phi-3's longrope with a prompt past
 `original_max_position_embeddings` (long factors) and one that crosses it while decoding,
 and dynamic NTK past `max_position_embeddings`, both against transformers' generate with its
 KV cache, whose per-step rule sglite follows (sglite.layers.rotary_embedding).
@@ -16,10 +19,28 @@ import pytest
 import torch
 
 from fixtures.model_driver import Driver, fragment_allocator
-from fixtures.tiny_families import FAMILIES
+from fixtures.tiny_families import FAMILIES, GEMMA_WINDOW
 
-CASES = {name: (name, {}) for name in FAMILIES}
+W = GEMMA_WINDOW  # every window below is shorter than PROMPT
+SLIDING, FULL = "sliding_attention", "full_attention"
+# the phase-1 families with their sliding windows switched on
+WINDOWED = {
+    "starcoder2_swa": ("starcoder2", {"config": {"sliding_window": W}}),
+    "phi3_swa": ("phi3", {"config": {"sliding_window": W}}),
+    "qwen2_swa": ("qwen2", dict(sliding_window=W, max_window_layers=1, num_hidden_layers=3)),
+    "qwen3_swa": ("qwen3", dict(sliding_window=W, max_window_layers=1, num_hidden_layers=3)),
+    # SmolLM3 windows its NoPE layer (no_rope_layers [1, 0, 1]: layer 1)
+    "smollm3_swa": ("smollm3", {"config": {"use_sliding_window": True, "sliding_window": W}}),
+    # EXAONE 4's hybrid: the windowed layers rotate, the global one is NoPE
+    "exaone4_hybrid": (
+        "exaone4",
+        {"config": {"sliding_window": W, "layer_types": [SLIDING, SLIDING, FULL]}},
+    ),
+}
+CASES = {name: (name, {}) for name in FAMILIES} | WINDOWED
 CASES["llama_gelu"] = ("llama", {"config": {"hidden_act": "gelu"}})
+# the families whose own tiny config has windows (tests/fixtures/tiny_families.py)
+HYBRID = ("gemma2", "gemma3", "cohere2")
 PAGE_SIZES = (1, 16)
 ATOL = 1e-4
 CHUNKS = (13, 29)  # the prompt's chunk boundaries in the chunked prefill
@@ -31,7 +52,7 @@ def _prompt(n: int, seed: int = 0) -> list[int]:
     return torch.randint(3, 384, (n,), generator=g).tolist()
 
 
-PROMPT = _prompt(40)  # crosses two page boundaries at page size 16
+PROMPT = _prompt(40)  # crosses two page boundaries at page size 16, and every window
 
 
 @pytest.fixture(scope="module")
@@ -200,6 +221,20 @@ def test_longrope_crossing_while_decoding_keeps_the_cached_keys(runner, hf_model
     tokens, logits = _greedy(Driver(runner("phi3", 1)), prompt, 16)
     torch.testing.assert_close(torch.stack(logits), torch.stack(ref_logits), atol=ATOL, rtol=0)
     assert tokens == expected
+
+
+@pytest.mark.parametrize("name", sorted([*WINDOWED, *HYBRID]))
+def test_windowed_cases_attend_through_windows_shorter_than_the_prompt(name, runner):
+    windows = [layer.self_attn.attn.sliding_window for layer in runner(name, 1).model.model.layers]
+    assert W in windows and set(windows) <= {W, None} and W < len(PROMPT)
+
+
+def test_the_window_changes_transformers_logits(hf_ref):
+    """The window bites on PROMPT: Starcoder2's logits with and without it (same weights)
+    agree up to the window and differ past it, so a model ignoring it fails the tests above."""
+    full, windowed = hf_ref("starcoder2")[0], hf_ref("starcoder2_swa")[0]
+    torch.testing.assert_close(windowed[:W], full[:W], atol=1e-5, rtol=0)
+    assert (windowed[W:] - full[W:]).abs().max() > 0.1
 
 
 def test_longrope_factor_sets_differ_enough_to_be_caught(runner):

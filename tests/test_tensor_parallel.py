@@ -41,6 +41,8 @@ TP2_MODELS = {
     "stablelm": ("stablelm", {}),  # per-head q/k norm rows loaded one head at a time
     "phi": ("phi", {}),  # the LM head's bias, sharded with its rows
     "gemma": ("gemma", {}),
+    "gemma2": ("gemma2", {}),  # soft-capped heads, sandwich norms, windows of 8
+    "gemma3": ("gemma3", {}),  # (1 + w) q/k norms, two rotary tables
     "glm4": ("glm4", {}),
 }
 NINE_HEADS = dict(

@@ -107,6 +107,7 @@ class Backend:
     procs: ProcessGroup
     info: dict[str, Any]
     tokenizer: Any
+    given_args: ServerArgs  # as given, before the model was resolved to a local folder
 
     def shutdown(self) -> None:
         self.procs.shutdown()
@@ -149,6 +150,7 @@ def start_backend(
     detokenizer_entry: Entry = DETOKENIZER_ENTRY,
 ) -> Backend:
     """Resolve the model, spawn the children and wait until the model is loaded."""
+    given_args = server_args
     server_args = with_dist_init_addr(resolve_model(server_args))
     check_tp_size_early(server_args)
     ipc = IpcNames.allocate()
@@ -172,7 +174,7 @@ def start_backend(
         procs.shutdown()
         ipc.cleanup()
         raise
-    return Backend(server_args, ipc, procs, info, tokenizer)
+    return Backend(server_args, ipc, procs, info, tokenizer, given_args)
 
 
 class _TokenizerPreload:
@@ -226,7 +228,9 @@ def launch_server(
     """Run the HTTP server until Ctrl-C / SIGTERM (exit code 0) or a child dies (1)."""
     import uvicorn
 
+    from sglite.server import connections
     from sglite.server.http_server import create_app
+    from sglite.server.limits import RequestLimits
     from sglite.server.tokenizer_manager import TokenizerManager
 
     setup_logging(server_args.log_level)
@@ -244,17 +248,29 @@ def launch_server(
     exit_code = 0
     try:
         args = backend.server_args
+        limits = RequestLimits.from_args(args, int(backend.info["context_length"]))
         tm = TokenizerManager(
-            args, backend.info, backend.tokenizer, backend.ipc, heartbeat=backend.procs.heartbeat
+            args,
+            backend.info,
+            backend.tokenizer,
+            backend.ipc,
+            heartbeat=backend.procs.heartbeat,
+            limits=limits,
         )
+        # timeouts, the connection cap, throttled logs: server/connections.py
+        conn = connections.ConnectionSettings.from_args(args, connections.raise_open_file_limit())
         config = uvicorn.Config(
-            create_app(tm),
+            create_app(tm, backend.given_args),
             host=args.host,
             port=args.port,
             log_level=args.log_level,
             timeout_graceful_shutdown=3,
             access_log=args.log_level == "debug",
+            http=connections.guarded_protocol(conn),
+            timeout_keep_alive=args.timeout_keep_alive,  # type: ignore[arg-type]
+            backlog=conn.backlog,
         )
+        connections.throttle_server_logs()  # after uvicorn.Config set up its loggers
         server = uvicorn.Server(config)
 
         def on_death(name: str, code: int | None) -> None:

@@ -11,6 +11,11 @@ filled and every checkpoint tensor placed, else loading fails naming them.
 
 Checked at construction, before any weight is read: the spec (activation, layout), the RoPE
 type and whether this family rotates part of a head (`partial_rotary_factor`).
+
+Hooks a family may override: `mlp_for_layer(b, layer_id)` (each layer's MLP: dense, or another
+kind for some layers) and, through the spec, the attention (`spec.mla`: latent attention,
+sglite.models.decoder_mla). `kv_layout()` tells the runner what the KV pool stores per token
+(sglite.mem_cache.memory_pool: per-head K/V, or MLA's latent rows).
 """
 
 from __future__ import annotations
@@ -25,10 +30,14 @@ from torch import nn
 from sglite.distributed import NULL_TP_GROUP, TPGroup
 from sglite.layers.linear import loader_of
 from sglite.layers.logits_processor import LogitsProcessor
+from sglite.layers.moe.block import SparseMoeBlock
 from sglite.layers.rope_scaling import check_rope_type
 from sglite.layers.vocab_parallel_embedding import ParallelLMHead
+from sglite.mem_cache.memory_pool import MHALayout
+from sglite.mem_cache.mla_pool import MLALayout
 from sglite.model_executor.forward_batch import ForwardBatch
-from sglite.models.decoder import Build, DecoderModel
+from sglite.models.decoder import Build, DecoderAttention, DecoderModel, dense_mlp
+from sglite.models.decoder_mla import DecoderMLAttention
 from sglite.models.decoder_spec import ConfigFields, DecoderSpec
 from sglite.models.model_config import ModelConfig
 
@@ -43,20 +52,23 @@ STACKED_GATE_UP = (("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj",
 
 def _check(config: ModelConfig, spec: DecoderSpec) -> None:
     arch = config.architecture
-    try:
-        rope_type = check_rope_type(config.rope_scaling)
-    except ValueError as e:
-        raise ValueError(f"{arch}: {e}") from None
-    if config.partial_rotary_factor != 1.0 and spec.rotary_factor == 1.0 and rope_type != "default":
-        raise ValueError(
-            f"{arch}: partial_rotary_factor={config.partial_rotary_factor} is not supported: "
-            f"{arch} rotates the whole head"
-        )
     if spec.rope_layers is not None and len(spec.rope_layers) != config.num_layers:
         raise ValueError(
             f"{arch}: no_rope_layers has {len(spec.rope_layers)} entries for "
             f"{config.num_layers} layers"
         )
+    ropes = [config.rope_for(i).scaling for i in range(config.num_layers)]
+    for scaling in [config.rope_scaling, *ropes]:
+        try:
+            rope_type = check_rope_type(scaling)
+        except ValueError as e:
+            raise ValueError(f"{arch}: {e}") from None
+        partial = config.partial_rotary_factor
+        if partial != 1.0 and spec.rotary_factor == 1.0 and rope_type != "default":
+            raise ValueError(
+                f"{arch}: partial_rotary_factor={partial} is not supported: {arch} rotates "
+                "the whole head"
+            )
 
 
 class DecoderForCausalLM(nn.Module):
@@ -81,7 +93,9 @@ class DecoderForCausalLM(nn.Module):
         spec = self.decoder_spec(ConfigFields(config))
         _check(config, spec)
         self.config, self.spec = config, spec
-        self.model = DecoderModel(Build(config, spec, dtype, device, tp_group))
+        attention_cls = DecoderAttention if spec.mla is None else DecoderMLAttention
+        build = Build(config, spec, dtype, device, tp_group)
+        self.model = DecoderModel(build, attention_cls, self.mlp_for_layer)
         self.lm_head = ParallelLMHead(
             config.vocab_size,
             config.hidden_size,
@@ -93,7 +107,27 @@ class DecoderForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.tie_to(self.model.embed_tokens)
         self.logits_processor = LogitsProcessor(spec.logit_scale, spec.final_logit_softcap)
-        self.stacked = STACKED_QKV + (STACKED_GATE_UP if spec.gated_mlp else ())
+        qkv = STACKED_QKV if spec.mla is None else ()  # MLA's q_proj is a plain projection
+        self.stacked = qkv + (STACKED_GATE_UP if spec.gated_mlp else ())
+
+    def mlp_for_layer(self, b: Build, layer_id: int) -> nn.Module:
+        """Layer `layer_id`'s MLP: the MoE block on a sparse layer of a spec with `moe`
+        (sglite.layers.moe), else dense (unless a family says otherwise)."""
+        moe = b.spec.moe
+        if moe is not None and moe.is_sparse(layer_id):
+            return SparseMoeBlock(moe, b.config.hidden_size, **b.kw)
+        return dense_mlp(b, layer_id)
+
+    def kv_layout(self) -> MHALayout | MLALayout:
+        """What the KV pool stores per token for this model (this rank's share)."""
+        cfg, mla = self.config, self.spec.mla
+        if mla is not None:
+            return MLALayout(
+                cfg.num_layers, mla.kv_lora_rank, mla.qk_rope_head_dim, cfg.num_heads,
+                mla.qk_head_dim, mla.v_head_dim,
+            )  # fmt: skip
+        attn = self.model.layers[0].self_attn
+        return MHALayout(cfg.num_layers, attn.num_kv_heads, attn.head_dim)
 
     @torch.no_grad()
     def forward(

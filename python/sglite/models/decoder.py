@@ -10,11 +10,13 @@ Parameter names (our side of the checkpoint mapping, see sglite.models.causal_lm
 `model.embed_tokens`, `model.layers.<i>.{input_layernorm, post_attention_layernorm (the MLP's
 input), post_self_attn_layernorm, post_mlp_layernorm (the outputs' norms), self_attn.{qkv_proj,
 o_proj, q_norm, k_norm}, mlp.{gate_up_proj or up_proj, down_proj}}`, `model.norm`, `lm_head`;
-a MoE family's sparse layers hold `mlp` = sglite.layers.moe.block.SparseMoeBlock instead.
+a MoE family's sparse layers hold `mlp` = sglite.layers.moe.block.SparseMoeBlock instead
+(DecoderForCausalLM.mlp_for_layer).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -28,7 +30,6 @@ from sglite.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
 )
-from sglite.layers.moe.block import SparseMoeBlock
 from sglite.layers.qk_norm import permute_on_load
 from sglite.layers.radix_attention import RadixAttention
 from sglite.layers.rotary_embedding import RotaryEmbedding, rotary_permutation
@@ -101,9 +102,10 @@ class DecoderAttention(nn.Module):
             self.num_kv_heads,
             layer_id,
             sliding_window=config.sliding_window_for(layer_id),
+            logit_cap=spec.attn_logit_cap,
         )
 
-    def forward(self, rope: Rope, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, rope: Rope | None, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)
         if self.clip_qkv is not None:
@@ -145,14 +147,6 @@ class DecoderMLP(nn.Module):
         return out if self.out_scale == 1.0 else out * self.out_scale
 
 
-def build_mlp(b: Build, layer_id: int) -> nn.Module:
-    """The layer's MLP: the MoE block on a sparse layer of a MoE family, else the dense one."""
-    moe = b.spec.moe
-    if moe is not None and moe.is_sparse(layer_id):
-        return SparseMoeBlock(moe, b.config.hidden_size, **b.kw)
-    return DecoderMLP(b)
-
-
 # the norms each layout has (see DecoderSpec's table)
 _LAYOUT_NORMS = {
     "pre": ("input_layernorm", "post_attention_layernorm"),
@@ -169,7 +163,7 @@ _LAYOUT_NORMS = {
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, b: Build, attn: DecoderAttention, mlp: DecoderMLP) -> None:
+    def __init__(self, b: Build, attn: nn.Module, mlp: nn.Module) -> None:
         super().__init__()
         self.self_attn, self.mlp = attn, mlp
         for name in _LAYOUT_NORMS[b.spec.layout]:
@@ -177,7 +171,7 @@ class DecoderLayer(nn.Module):
         self.run = getattr(self, f"_{b.spec.layout}")
 
     def forward(
-        self, rope: Rope, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch
+        self, rope: Rope | None, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return self.run(rope, x, residual, batch)
 
@@ -213,45 +207,74 @@ class DecoderLayer(nn.Module):
         return attn + self.mlp(self.post_attention_layernorm(h)), h
 
 
+def dense_mlp(b: Build, layer_id: int) -> nn.Module:
+    """Every layer's MLP of a dense family (the default `mlp_for_layer`)."""
+    return DecoderMLP(b)
+
+
 class DecoderModel(nn.Module):
-    def __init__(self, b: Build) -> None:
+    def __init__(
+        self,
+        b: Build,
+        attention_cls: type[nn.Module] = DecoderAttention,
+        mlp_for_layer: Callable[[Build, int], nn.Module] = dense_mlp,
+    ) -> None:
+        """`attention_cls(b, layer_id, rotary_emb, head_permutation)` builds each layer's
+        attention; `mlp_for_layer(b, layer_id)` its MLP (a family may mix kinds)."""
         super().__init__()
         config, spec = b.config, b.spec
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, **b.kw)
-        d = config.head_dim
+        d = spec.mla.qk_rope_head_dim if spec.mla is not None else config.head_dim
         rotary_dim = int(d * spec.rotary_factor)
-        self.rotary_emb = RotaryEmbedding(
-            d,
-            config.context_length,
-            config.rope_theta,
-            config.rope_scaling,
-            rotary_dim=rotary_dim,
-            model_max_positions=config.max_position_embeddings,
-            dtype=b.dtype,
-            device=b.device,
-        )
         perm = rotary_permutation(d, rotary_dim, spec.rope_interleaved)
         rotates = spec.rope_layers or (True,) * config.num_layers
+        # One rotary table per distinct RopeParams among the rotating layers (Gemma 3: the
+        # local base on sliding layers, the global one with rope_scaling on full layers);
+        # `rope_idx[i]`: the table layer i reads, None for a NoPE layer.
+        ropes, self.rope_idx = [], []
+        for i in range(config.num_layers):
+            params = config.rope_for(i) if rotates[i] else None
+            if params is not None and params not in ropes:
+                ropes.append(params)
+            self.rope_idx.append(None if params is None else ropes.index(params))
+        self.rotary_embs = nn.ModuleList(
+            RotaryEmbedding(
+                d,
+                config.context_length,
+                params.theta,
+                params.scaling,
+                rotary_dim=rotary_dim,
+                model_max_positions=config.max_position_embeddings,
+                dtype=b.dtype,
+                device=b.device,
+            )
+            for params in ropes
+        )
         self.layers = nn.ModuleList(
             DecoderLayer(
                 b,
-                DecoderAttention(b, i, self.rotary_emb if rotates[i] else None, perm),
-                build_mlp(b, i),
+                attention_cls(b, i, None if j is None else self.rotary_embs[j], perm),
+                mlp_for_layer(b, i),
             )
-            for i in range(config.num_layers)
+            for i, j in enumerate(self.rope_idx)
         )
         self.norm = b.norm(config.hidden_size)
         self.embed_scale = spec.embed_scale
         if spec.embed_scale_in_dtype:  # the scale as the model dtype holds it (Gemma)
             self.embed_scale = float(torch.tensor(spec.embed_scale, dtype=b.dtype))
 
+    @property
+    def rotary_emb(self) -> RotaryEmbedding:
+        """The first rotary table (the only one unless the layer types rotate differently)."""
+        return self.rotary_embs[0]
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch):
         x = self.embed_tokens(input_ids)
         if self.embed_scale != 1.0:
             x = x * self.embed_scale
-        rope = self.rotary_emb.lookup(positions, batch)
+        ropes = [emb.lookup(positions, batch) for emb in self.rotary_embs]
         residual = None
-        for layer in self.layers:
-            x, residual = layer(rope, x, residual, batch)
+        for layer, j in zip(self.layers, self.rope_idx):
+            x, residual = layer(None if j is None else ropes[j], x, residual, batch)
         x, _ = self.norm(x, residual)
         return x

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sglite.layers.activation import check_activation
+from sglite.layers.latent_attention import MLASpec
 from sglite.layers.layernorm import NormSpec
 from sglite.layers.moe.block import MoESpec
 from sglite.layers.qk_norm import QKNormSpec
@@ -49,16 +50,22 @@ class DecoderSpec:
     embed_scale_in_dtype: bool = False  # Gemma rounds sqrt(hidden) to the model dtype first
     residual_scale: float = 1.0  # Granite: each branch's output times this
     attn_scale: float | None = None  # softmax scale; None: head_dim ** -0.5
+    attn_logit_cap: float = 0.0  # Gemma 2: scores c * tanh(s / c) before the softmax; 0: none
     logit_scale: float = 1.0
     final_logit_softcap: float | None = None
     clip_qkv: float | None = None  # OLMo: q, k and v clamped to [-c, c]
     lm_head_bias: bool = False
     moe: MoESpec | None = None  # the sparse layers' MoE block (sglite.layers.moe.block)
+    # multi-head latent attention (DeepSeek-V2/V3) instead of per-head K/V: its dims; rope
+    # then covers its qk_rope_head_dim dims (sglite.models.decoder_mla)
+    mla: MLASpec | None = None
 
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:
             raise ValueError(f"layout {self.layout!r} is not one of {', '.join(LAYOUTS)}")
         check_activation(self.act)
+        if not self.attn_logit_cap >= 0.0:
+            raise ValueError(f"attn_logit_softcapping={self.attn_logit_cap} must be >= 0")
         if not 0.0 < self.rotary_factor <= 1.0:
             raise ValueError(f"partial_rotary_factor={self.rotary_factor} must be in (0, 1]")
 

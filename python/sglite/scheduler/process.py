@@ -72,7 +72,12 @@ def scheduler_for_runner(
         send_control=send_control,
         watchdog=watchdog,
         grammar_backend=create_backend(
-            args.grammar_backend, tokenizer, cfg.vocab_size, cfg.eos_token_ids
+            args.grammar_backend,
+            tokenizer,
+            cfg.vocab_size,
+            cfg.eos_token_ids,
+            compile_timeout_s=args.grammar_compile_timeout,
+            compile_max_memory_mb=args.grammar_compile_max_memory_mb,
         ),
         dp_rank=dp_rank,
         agree=agree,
