@@ -225,12 +225,3 @@ def test_a_missing_expert_tensor_is_named_as_the_checkpoint_names_it(tiny_model_
         ValueError, match=r"lacks 1 tensor.*layers\.1\.block_sparse_moe\.experts\.3\.w3"
     ):
         ModelRunner(folder, device="cpu", max_total_tokens=256)
-
-
-def test_olmoe_clip_qkv_is_refused(tiny_model_dir):
-    from sglite.model_executor.model_runner import ModelRunner
-
-    with pytest.raises(ValueError, match="OlmoeForCausalLM: clip_qkv=8.0 is not supported"):
-        ModelRunner(
-            tiny_model_dir("olmoe", config={"clip_qkv": 8.0}), device="cpu", max_total_tokens=256
-        )

@@ -18,7 +18,9 @@ expert `...experts.{e}.{gate,up,down}_proj.{weight,bias}` or fused
 
 from __future__ import annotations
 
+import functools
 import re
+from collections.abc import Callable
 
 import torch
 
@@ -64,6 +66,21 @@ class MoeForCausalLM(DecoderForCausalLM):
         return super()._checkpoint_name(name, shard_id)
 
 
+def _named(reader: Callable[..., MoESpec | None]) -> Callable[..., MoESpec | None]:
+    """A spec reader whose invalid-config errors (the specs' own checks) name the arch."""
+
+    @functools.wraps(reader)
+    def read(f: ConfigFields, *args, **kwargs):
+        try:
+            return reader(f, *args, **kwargs)
+        except ValueError as e:
+            if str(e).startswith(f"{f.arch}:"):
+                raise
+            raise ValueError(f"{f.arch}: {e}") from None
+
+    return read
+
+
 def _experts(f: ConfigFields, num_field: str, size_field: str) -> tuple[int, int, int]:
     """(num_experts, top_k, each expert's intermediate size)."""
     return (
@@ -73,6 +90,7 @@ def _experts(f: ConfigFields, num_field: str, size_field: str) -> tuple[int, int
     )
 
 
+@_named
 def qwen_moe_spec(f: ConfigFields, shared: SharedExpertSpec | None = None) -> MoESpec | None:
     """Qwen2-MoE / Qwen3-MoE; None when `num_experts` is 0 (every layer dense)."""
     if not f.get("num_experts", 0):
@@ -91,11 +109,13 @@ def qwen_moe_spec(f: ConfigFields, shared: SharedExpertSpec | None = None) -> Mo
     )
 
 
+@_named
 def mixtral_moe_spec(f: ConfigFields) -> MoESpec:
     num, top_k, size = _experts(f, "num_local_experts", "intermediate_size")
     return MoESpec(RouterSpec(num, top_k, renormalize=True), ExpertsSpec(num, size, act=f.act()))
 
 
+@_named
 def olmoe_moe_spec(f: ConfigFields) -> MoESpec:
     num, top_k, size = _experts(f, "num_experts", "intermediate_size")
     renormalize = bool(f.get("norm_topk_prob", False))
@@ -110,6 +130,7 @@ _DEEPSEEK_METHODS = {
 }
 
 
+@_named
 def deepseek_moe_spec(
     f: ConfigFields, topk_method: str = "greedy", scoring_func: str = "softmax"
 ) -> MoESpec:

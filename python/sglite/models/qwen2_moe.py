@@ -1,7 +1,12 @@
 """Qwen2-MoE (Qwen1.5-MoE, Qwen2-57B-A14B): Qwen2's attention (Q/K/V bias, `qkv_bias`) with
-sparse layers that add a shared expert gated per token by `sigmoid(shared_expert_gate(x))`."""
+sparse layers that add a shared expert gated per token by `sigmoid(shared_expert_gate(x))`.
+
+`shared_expert_intermediate_size: 0`: no shared expert (transformers builds one of width 0,
+whose output is zero); its empty tensors and its gate in the checkpoint are dropped."""
 
 from __future__ import annotations
+
+import torch
 
 from sglite.layers.moe import SharedExpertSpec
 from sglite.models.decoder_spec import ConfigFields, DecoderSpec
@@ -21,3 +26,10 @@ class Qwen2MoeForCausalLM(MoeForCausalLM):
             qkv_bias=bool(f.get("qkv_bias", True)),
             moe=qwen_moe_spec(f, shared),
         )
+
+    def checkpoint_targets(self, name: str, tensor: torch.Tensor):
+        moe = self.spec.moe
+        if moe is not None and moe.shared is None:
+            if ".shared_expert_gate." in name or (".shared_expert." in name and not tensor.numel()):
+                return []  # the width-0 shared expert adds nothing
+        return super().checkpoint_targets(name, tensor)
