@@ -193,40 +193,6 @@ def test_matches_transformers_own_gguf_loader(variant, gguf_file, cache):
         assert torch.equal(t, theirs[name].float()), name
 
 
-@pytest.mark.parametrize("variant", ["qwen2_moe", "qwen3_moe"])
-def test_moe_experts_match_transformers_own_gguf_loader(variant, gguf_file, cache):
-    """transformers reads the stacked expert tensors of the same Q8_0 file into its fused
-    in-memory form (`experts.gate_up_proj [E, 2I, H]`, `experts.down_proj [E, H, I]`): our
-    per-expert tensors, stacked the same way, equal them; every other tensor is equal too.
-    (Its GGUF config reader leaves `moe_intermediate_size` at the class default, so the
-    skeleton is built from our config.)"""
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    from sglite.models.gguf import convert_gguf_to_hf
-
-    path = gguf_file(variant, "Q8_0")
-    out = convert_gguf_to_hf(path, cache_root=cache)
-    config = AutoConfig.from_pretrained(str(out))
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config)
-    theirs = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=skeleton)["tensors"]
-    ours = _weights(out)
-    experts = range(config.num_experts)
-    for i in range(config.num_hidden_layers):
-        prefix = f"model.layers.{i}.mlp.experts"
-
-        def stack(proj, prefix=prefix):
-            return torch.stack([ours.pop(f"{prefix}.{e}.{proj}.weight") for e in experts])
-
-        gate_up = torch.cat([stack("gate_proj"), stack("up_proj")], dim=1)
-        assert torch.equal(gate_up, theirs.pop(f"{prefix}.gate_up_proj").float()), i
-        assert torch.equal(stack("down_proj"), theirs.pop(f"{prefix}.down_proj").float()), i
-    assert set(ours) == set(theirs)
-    for name, t in ours.items():
-        assert torch.equal(t, theirs[name].float().reshape(t.shape)), name
-
-
 def test_folder_loads_in_sglite_like_transformers(gguf_file, cache):
     """Each converted architecture sglite registers (the others are skipped by name until
     their model class lands): its logits equal transformers' on the same folder."""
@@ -327,23 +293,6 @@ def test_unconvertible_files_are_refused_with_the_reason(case, gguf_file, tmp_pa
     with pytest.raises(UnsupportedGGUF, match=message.replace("(", r"\(").replace(")", r"\)")):
         convert_gguf_to_hf(path, cache_root=tmp_path)
     assert list((tmp_path / "gguf").iterdir()) == []  # nothing half-built is left
-
-
-MOE_REFUSALS = {
-    "norm": ({"qwen3moe.expert_weights_norm": False}, "qwen3moe.expert_weights_norm = False"),
-    "gating": ({"qwen3moe.expert_gating_func": 2}, "qwen3moe.expert_gating_func = 2"),
-    "scale": ({"qwen3moe.expert_weights_scale": 2.5}, "qwen3moe.expert_weights_scale = 2.5"),
-}
-
-
-@pytest.mark.parametrize("case", sorted(MOE_REFUSALS))
-def test_moe_routing_the_converter_does_not_implement_is_refused(case, gguf_file, tmp_path):
-    from sglite.models.gguf import UnsupportedGGUF, convert_gguf_to_hf
-
-    metadata, message = MOE_REFUSALS[case]
-    path = gguf_file("qwen3_moe", "F32", metadata=metadata)
-    with pytest.raises(UnsupportedGGUF, match=message):
-        convert_gguf_to_hf(path, cache_root=tmp_path)
 
 
 def test_a_file_that_is_not_gguf_is_refused(tmp_path):
