@@ -30,6 +30,7 @@ from torch import nn
 from sglite.distributed import NULL_TP_GROUP, TPGroup
 from sglite.layers.linear import loader_of
 from sglite.layers.logits_processor import LogitsProcessor
+from sglite.layers.moe.block import SparseMoeBlock
 from sglite.layers.rope_scaling import check_rope_type
 from sglite.layers.vocab_parallel_embedding import ParallelLMHead
 from sglite.mem_cache.memory_pool import MHALayout
@@ -110,7 +111,11 @@ class DecoderForCausalLM(nn.Module):
         self.stacked = qkv + (STACKED_GATE_UP if spec.gated_mlp else ())
 
     def mlp_for_layer(self, b: Build, layer_id: int) -> nn.Module:
-        """Layer `layer_id`'s MLP (dense unless a family says otherwise)."""
+        """Layer `layer_id`'s MLP: the MoE block on a sparse layer of a spec with `moe`
+        (sglite.layers.moe), else dense (unless a family says otherwise)."""
+        moe = b.spec.moe
+        if moe is not None and moe.is_sparse(layer_id):
+            return SparseMoeBlock(moe, b.config.hidden_size, **b.kw)
         return dense_mlp(b, layer_id)
 
     def kv_layout(self) -> MHALayout | MLALayout:

@@ -9,7 +9,9 @@ layout allows it: a layer takes and returns `(x, residual)`, the stream being `x
 Parameter names (our side of the checkpoint mapping, see sglite.models.causal_lm):
 `model.embed_tokens`, `model.layers.<i>.{input_layernorm, post_attention_layernorm (the MLP's
 input), post_self_attn_layernorm, post_mlp_layernorm (the outputs' norms), self_attn.{qkv_proj,
-o_proj, q_norm, k_norm}, mlp.{gate_up_proj or up_proj, down_proj}}`, `model.norm`, `lm_head`.
+o_proj, q_norm, k_norm}, mlp.{gate_up_proj or up_proj, down_proj}}`, `model.norm`, `lm_head`;
+a MoE family's sparse layers hold `mlp` = sglite.layers.moe.block.SparseMoeBlock instead
+(DecoderForCausalLM.mlp_for_layer).
 """
 
 from __future__ import annotations

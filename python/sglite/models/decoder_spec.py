@@ -27,6 +27,7 @@ from typing import Any
 from sglite.layers.activation import check_activation
 from sglite.layers.latent_attention import MLASpec
 from sglite.layers.layernorm import NormSpec
+from sglite.layers.moe.block import MoESpec
 from sglite.layers.qk_norm import QKNormSpec
 
 LAYOUTS = ("pre", "sandwich", "post", "parallel", "parallel2")
@@ -54,6 +55,7 @@ class DecoderSpec:
     final_logit_softcap: float | None = None
     clip_qkv: float | None = None  # OLMo: q, k and v clamped to [-c, c]
     lm_head_bias: bool = False
+    moe: MoESpec | None = None  # the sparse layers' MoE block (sglite.layers.moe.block)
     # multi-head latent attention (DeepSeek-V2/V3) instead of per-head K/V: its dims; rope
     # then covers its qk_rope_head_dim dims (sglite.models.decoder_mla)
     mla: MLASpec | None = None
