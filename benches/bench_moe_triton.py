@@ -142,7 +142,11 @@ def main() -> None:
         out = out / "bench_moe_triton.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
-    print(f"wrote {out}")
+    summary = ", ".join(
+        f"batch {r['batch']}: x{r['speedup_vs_loop']} vs loop, x{r['speedup_vs_grouped']} vs grouped"
+        for r in rows
+    )
+    print(f"bench_moe_triton: fused (graph) {summary}; wrote {out}")
 
 
 if __name__ == "__main__":
