@@ -229,6 +229,10 @@ class FusedExperts(nn.Module):
     def forward(
         self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> torch.Tensor:
+        if x.is_cuda:  # the Triton fused-MoE kernels; imported here, so CPU runs skip triton
+            from sglite.layers.moe.fused_triton import triton_forward
+
+            return triton_forward(self, x, topk_ids, topk_weights)
         s = self.shard
         if not self._grouped:
             return masked_forward(
