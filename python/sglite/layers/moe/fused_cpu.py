@@ -9,8 +9,8 @@ scatter-adds them back to their tokens. Python loops over the experts that have 
 never over tokens. One host sync per layer (the per-expert counts), cheap on CPU.
 
 `single_token_forward` is the batch-1 decode path: the token's k experts in turn, with
-no sort. `masked_forward` is the sync-free form for devices that capture graphs (CUDA, until a
-Triton fused-MoE kernel lands): every local expert runs over every token, the rows of
+no sort. `masked_forward` is the sync-free form for devices other than the CPU and CUDA (CUDA runs
+the Triton fused-MoE kernels, `fused_triton.py`): every local expert runs over every token, the rows of
 tokens that did not choose it weighted 0. `naive_forward` is transformers' loop (a mask
 per expert, all experts in turn) over plain weights: the reference of tests and benches.
 
