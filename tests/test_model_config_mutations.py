@@ -139,6 +139,20 @@ MATCHES = {
     "mixtral top-3": ("mixtral", {"config": {"num_experts_per_tok": 3}}),
     "olmoe norm_topk_prob": ("olmoe", {"config": {"norm_topk_prob": True}}),
     "olmoe attention_bias": ("olmoe", {"config": {"attention_bias": True}}),
+    "gpt_oss attention_bias=False": ("gpt_oss", {"config": {"attention_bias": False}}),
+    # transformers' experts run the clamped SwiGLU whatever hidden_act says: so do sglite's
+    "gpt_oss swiglu_alpha, swiglu_limit, hidden_act=gelu (unread)": (
+        "gpt_oss",
+        {"config": {"swiglu_alpha": 1.0, "swiglu_limit": 0.5, "hidden_act": "gelu"}},
+    ),
+    "gpt_oss layer_types full, sliding, sliding, full": (
+        "gpt_oss",
+        {
+            "config": {
+                "layer_types": ["full_attention", *["sliding_attention"] * 2, "full_attention"]
+            }
+        },
+    ),
 }
 
 # case -> (tiny arch, config options, the refusal's message); refused at start-up
@@ -219,6 +233,16 @@ REFUSED = {
         "qwen2_moe",
         {"config": {"decoder_sparse_step": 0}},
         r"Qwen2MoeForCausalLM: .*decoder_sparse_step=0 .*must be >= 1",
+    ),
+    "gpt_oss quantized other than MXFP4": (
+        "gpt_oss",
+        {"config": {"quantization_config": {"quant_method": "gptq", "bits": 4}}},
+        r"GptOssForCausalLM: quantization_config.quant_method='gptq' is not supported",
+    ),
+    "gpt_oss more experts per token than experts": (
+        "gpt_oss",
+        {"config": {"num_experts_per_tok": 9}},
+        r"GptOssForCausalLM: num_experts_per_tok=9 must be in 1..num_experts=8",
     ),
     "mixtral no experts": (
         "mixtral",

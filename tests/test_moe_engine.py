@@ -3,9 +3,10 @@
 The real scheduler (chunked prefill, radix cache with shared system prompts, eviction
 under a small KV pool) on tiny Qwen2-MoE (shared expert, a dense layer) gives
 transformers' greedy tokens for both loops (normal, overlap), both tree cores and page
-sizes 1 and 16 (every pair of those values, in four runs). The Engine on Qwen3-MoE: log-probs equal transformers' log-softmax, and a
-JSON schema constrains its output. `--tp-size 2` (gloo, spawned ranks) on all four families
-equals tp 1 (logits 1e-4) and transformers' greedy tokens. bench_one_batch runs a MoE model.
+sizes 1 and 16 (every pair of those values, in four runs). The Engine on Qwen3-MoE: log-probs
+equal transformers' log-softmax, and a JSON schema constrains its output. `--tp-size 2` (gloo,
+spawned ranks) on all four families and gpt-oss (its sinks split by query head) equals tp 1
+(logits 1e-4) and transformers' greedy tokens. bench_one_batch runs a MoE model.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from sglite.messages import GenerateReq
 from sglite.sampling_params import SamplingParams
 from sglite.scheduler.process import scheduler_for_runner
 
-MOE_ARCHS = ("qwen2_moe", "qwen3_moe", "mixtral", "olmoe")
+MOE_ARCHS = ("qwen2_moe", "qwen3_moe", "mixtral", "olmoe", "gpt_oss")
 ATOL = 1e-4
 
 

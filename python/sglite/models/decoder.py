@@ -9,7 +9,7 @@ layout allows it: a layer takes and returns `(x, residual)`, the stream being `x
 Parameter names (our side of the checkpoint mapping, see sglite.models.causal_lm):
 `model.embed_tokens`, `model.layers.<i>.{input_layernorm, post_attention_layernorm (the MLP's
 input), post_self_attn_layernorm, post_mlp_layernorm (the outputs' norms), self_attn.{qkv_proj,
-o_proj, q_norm, k_norm}, mlp.{gate_up_proj or up_proj, down_proj}}`, `model.norm`, `lm_head`;
+o_proj, q_norm, k_norm, sinks}, mlp.{gate_up_proj or up_proj, down_proj}}`, `model.norm`, `lm_head`;
 a MoE family's sparse layers hold `mlp` = sglite.layers.moe.block.SparseMoeBlock instead
 (DecoderForCausalLM.mlp_for_layer).
 """
@@ -95,6 +95,12 @@ class DecoderAttention(nn.Module):
         self.rotary_emb = rotary_emb
         self.clip_qkv, self.out_scale = spec.clip_qkv, spec.residual_scale
         scaling = spec.attn_scale if spec.attn_scale is not None else d**-0.5
+        self.sinks = None
+        if spec.attn_sinks:  # [H] in the checkpoint; this rank keeps its query heads' share
+            self.sinks = nn.Parameter(
+                torch.empty(self.num_heads, dtype=b.dtype, device=b.device), requires_grad=False
+            )
+            self.sinks.weight_loader = self._load_sinks
         self.attn = RadixAttention(
             self.num_heads,
             d,
@@ -103,7 +109,17 @@ class DecoderAttention(nn.Module):
             layer_id,
             sliding_window=config.sliding_window_for(layer_id),
             logit_cap=spec.attn_logit_cap,
+            sinks=self.sinks,
         )
+
+    def _load_sinks(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        n = self.num_heads
+        if loaded.dim() != 1 or loaded.shape[0] != n * self.qkv_proj.tp_size:
+            raise ValueError(
+                f"self_attn.sinks: checkpoint tensor has shape {tuple(loaded.shape)}, the model "
+                f"expects ({n * self.qkv_proj.tp_size},) (one logit per query head)"
+            )
+        param.data.copy_(loaded.narrow(0, self.qkv_proj.tp_rank * n, n))
 
     def forward(self, rope: Rope | None, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         num_tokens = x.shape[0]

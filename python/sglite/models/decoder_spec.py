@@ -51,6 +51,7 @@ class DecoderSpec:
     residual_scale: float = 1.0  # Granite: each branch's output times this
     attn_scale: float | None = None  # softmax scale; None: head_dim ** -0.5
     attn_logit_cap: float = 0.0  # Gemma 2: scores c * tanh(s / c) before the softmax; 0: none
+    attn_sinks: bool = False  # gpt-oss: a learned logit per query head in the softmax (`sinks`)
     logit_scale: float = 1.0
     final_logit_softcap: float | None = None
     clip_qkv: float | None = None  # OLMo: q, k and v clamped to [-c, c]

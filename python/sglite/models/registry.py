@@ -40,6 +40,7 @@ MODELS = {
     "Qwen3MoeForCausalLM": "sglite.models.qwen3_moe",
     "MixtralForCausalLM": "sglite.models.mixtral",
     "OlmoeForCausalLM": "sglite.models.olmoe",
+    "GptOssForCausalLM": "sglite.models.gpt_oss",
 }
 
 
