@@ -48,18 +48,20 @@ class CpuAttnBackend(TorchNativeAttnBackend):
         reason = cpu_kernel.unavailable_reason()
         if reason is None and runner.device.type != "cpu":
             reason = f"it runs on the CPU, not {runner.device.type}"
-        if reason is None and not cpu_kernel.supports_dtype(runner.kv_pool.dtype):
-            reason = f"its kernel takes float32 or bfloat16 K/V, not {runner.kv_pool.dtype}"
         if reason is not None:
             raise ValueError(
                 f"attention backend 'cpu' is unavailable: {reason}; "
                 "use --attention-backend torch_native"
             )
         super().__init__(runner)
+        # K/V the kernel cannot read (fp8 pools) take torch_native's gather path
+        self.kernel_reads_pool = cpu_kernel.supports_dtype(runner.kv_pool.dtype)
 
     def _rows(
         self, batch: ForwardBatch, which, seq_lens: list[int], window: int | None, tokens=None
     ) -> _PoolRows:
+        if not self.kernel_reads_pool:
+            return super()._rows(batch, which, seq_lens, window, tokens)
         pool_rows = batch.req_pool_indices
         if len(which) != batch.batch_size:
             pool_rows = pool_rows[torch.tensor(list(which), device=pool_rows.device)]
@@ -75,6 +77,8 @@ class CpuAttnBackend(TorchNativeAttnBackend):
     def _decode_rows(
         self, q: torch.Tensor, layer: RadixAttention, batch: ForwardBatch, rows: _PoolRows
     ) -> torch.Tensor:
+        if not self.kernel_reads_pool:
+            return super()._decode_rows(q, layer, batch, rows)
         pool = batch.kv_pool
         k, v = pool.k_buffer[layer.layer_id], pool.v_buffer[layer.layer_id]
         out = rows.plan.attend(
