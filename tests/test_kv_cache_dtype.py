@@ -4,7 +4,8 @@
   shrink with the dtype, MHA and MLA pools alike; the host tier copies fp8 rows exactly.
 - Exactness: a tiny random Llama (and a tiny DeepSeek-V2, MLA) on an fp8 pool gives the
   logits of the same model on a float32 pool whose writes are rounded through fp8 (so the
-  only change is the stored values), on every CPU backend, page sizes 1 and 4.
+  only change is the stored values), on every CPU backend, page sizes 1 and 4 (and the
+  Triton backend under its interpreter).
 - Accuracy vs auto (teacher-forced, so an early different token does not compound): the
   tiny Llama's logits (|logit| <= ~3) stay within 0.25 (e4m3, measured 0.19) and 0.6 (e5m2,
   measured 0.46) of the float32 pool's; bf16 within 0.05 (measured 0.018). The error grows
@@ -146,16 +147,26 @@ def auto_ref(tiny_runner):
     return tokens, _teacher_forced(runner, PROMPTS, tokens)
 
 
-@pytest.mark.parametrize("backend", ["cpu", "torch_native"])
-@pytest.mark.parametrize("page_size", [1, 4])
-@pytest.mark.parametrize("name", ["fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize(
+    "backend,page_size,name",
+    [
+        ("cpu", 1, "fp8_e4m3"),
+        ("cpu", 4, "fp8_e4m3"),
+        ("cpu", 4, "fp8_e5m2"),
+        ("torch_native", 1, "fp8_e5m2"),
+        ("torch_native", 4, "fp8_e4m3"),
+    ]
+    + [("triton", 4, "fp8_e4m3")],  # under Triton's interpreter
+)
 def test_fp8_pool_is_a_float32_pool_of_rounded_values(
     tiny_runner, auto_ref, backend, page_size, name
 ):
     tokens, _ = auto_ref
     fp8 = tiny_runner("llama", page_size, kv_cache_dtype=name, attention_backend=backend)
     assert fp8.kv_pool.dtype == kv_dtype.KV_CACHE_DTYPES[name]
-    rounded = tiny_runner("llama", page_size, attention_backend=backend)
+    # (Triton's save_kv is its own store kernel: its reference rounds on torch_native)
+    ref_backend = "torch_native" if backend == "triton" else backend
+    rounded = tiny_runner("llama", page_size, attention_backend=ref_backend)
     _rounded_writes(rounded, fp8.kv_pool.dtype)
     got, want = (_teacher_forced(r, PROMPTS, tokens) for r in (fp8, rounded))
     torch.testing.assert_close(got, want, atol=1e-4, rtol=0)

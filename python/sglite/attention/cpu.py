@@ -3,7 +3,8 @@
 Decode batches and the decode rows of mixed batches attend through
 `sglite.attention.cpu_kernel` (rust/attn), which reads each row's K/V in place from the
 pool (under a sliding window, only the row's last W keys; logit caps and sinks in the
-kernel too; MLA's absorbed decode reads its values, the latents, from the key rows). torch_native gathers them into a padded copy in every layer instead, which on a
+kernel too; MLA's absorbed decode reads its values, the latents, from the key rows; bf16 and
+fp8 pools are widened as they are read). torch_native gathers them into a padded copy in every layer instead, which on a
 1,000-token context costs several times the decode step's matrix multiplications.
 
 A request with several new tokens over a cached prefix, where the window hides nothing,
@@ -54,8 +55,8 @@ class CpuAttnBackend(TorchNativeAttnBackend):
                 "use --attention-backend torch_native"
             )
         super().__init__(runner)
-        # K/V the kernel cannot read (fp8 pools) take torch_native's gather path
-        self.kernel_reads_pool = cpu_kernel.supports_dtype(runner.kv_pool.dtype)
+        # a pool the kernel cannot read (float16) takes torch_native's gather path
+        self.kernel_reads_pool = cpu_kernel.supports_kv_dtype(runner.kv_pool.dtype)
 
     def _rows(
         self, batch: ForwardBatch, which, seq_lens: list[int], window: int | None, tokens=None
@@ -81,8 +82,11 @@ class CpuAttnBackend(TorchNativeAttnBackend):
             return super()._decode_rows(q, layer, batch, rows)
         pool = batch.kv_pool
         k, v = pool.k_buffer[layer.layer_id], pool.v_buffer[layer.layer_id]
+        # q as it is (float32, bfloat16) over its dtype's pool or a narrower one (bf16, fp8);
+        # a float16 model's q in float32 (its pool is then bf16 or fp8: see kernel_reads_pool)
+        q_in = q if cpu_kernel.supports_dtype(q.dtype) else q.float()
         out = rows.plan.attend(
-            q.to(k.dtype).contiguous(),
+            q_in.contiguous(),
             k,
             v,
             layer.scaling,
