@@ -277,3 +277,15 @@ def test_store_kv_gpu():
     loc = pool.alloc(3000).cuda()
     store_kv(k, v, pool.k, pool.v, loc)
     assert torch.equal(pool.k[loc], k) and torch.equal(pool.v[loc], v)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("kv_dtype", FP8)
+def test_fp8_pool_decode_and_extend_gpu(kv_dtype):
+    lens = [1, 17, 300, 1024, 4096, 2047, 513, 64] * 2
+    check_decode(lens, 32, 8, 128, 16, torch.bfloat16, "cuda", kv_dtype=kv_dtype)
+    check_extend(
+        [0, 700, 37, 2048], [513, 1, 300, 128], 32, 8, 128, 16, torch.bfloat16, "cuda",
+        kv_dtype=kv_dtype,
+    )  # fmt: skip
