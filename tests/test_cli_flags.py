@@ -27,7 +27,6 @@ def _refused(argv: list[str], capsys) -> str:
         (["--speculative-num-steps", "3"], "--speculative-num-steps", "speculative"),
         (["--lora-paths", "a=/x"], "--lora-paths", "LoRA"),
         (["--enable-lora"], "--enable-lora", "LoRA"),
-        (["--kv-cache-dtype", "fp8_e5m2"], "--kv-cache-dtype", "KV cache dtype"),
         (["--enable-dp-attention"], "--enable-dp-attention", "data-parallel attention"),
     ],
 )
@@ -39,7 +38,7 @@ def test_sglang_flags_without_support_are_refused_by_name(argv, flag, what, caps
 
 def test_sglang_flags_with_a_no_op_value_are_accepted():
     args = parse_server_args(
-        "--model-path m --kv-cache-dtype auto --dp-size 1 --dp=1 --load-format safetensors "
+        "--model-path m --dp-size 1 --dp=1 --load-format safetensors "
         "--pp-size 1 --port 31000".split()
     )
     assert args.model_path == "m" and args.port == 31000
@@ -84,6 +83,8 @@ def test_defaults_follow_sglang():
         (["--tp", "0"], "--tp-size"),
         (["--log-requests-level", "4"], "--log-requests-level"),
         (["--dtype", "int8"], "--dtype"),
+        (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype"),
+        (["--kv-cache-dtype", "int8"], "--kv-cache-dtype"),
         (["--tokenizer-mode", "fast"], "--tokenizer-mode"),
     ],
 )
@@ -119,6 +120,38 @@ def test_every_dtype_choice_resolves():
     assert set(choices) == {"auto", "half", "float16", "bfloat16", "float", "float32"}
     for choice in choices:
         assert isinstance(resolve_dtype(choice, torch.device("cpu")), torch.dtype)
+
+
+def test_every_kv_cache_dtype_choice_resolves():
+    from sglite.mem_cache.kv_dtype import resolve_kv_cache_dtype
+
+    choices = ServerArgs.__dataclass_fields__["kv_cache_dtype"].metadata["choices"]
+    got = {c: resolve_kv_cache_dtype(c, torch.float32) for c in choices}
+    assert got == {
+        "auto": torch.float32,
+        "bf16": torch.bfloat16,
+        "bfloat16": torch.bfloat16,
+        "fp8_e4m3": torch.float8_e4m3fn,
+        "fp8_e5m2": torch.float8_e5m2,
+    }
+    assert resolve_kv_cache_dtype("auto", torch.bfloat16) == torch.bfloat16
+    assert parse_server_args(["--kv-cache-dtype", "fp8_e4m3"]).kv_cache_dtype == "fp8_e4m3"
+    with pytest.raises(ValueError, match="--kv-cache-dtype: must be one of"):
+        ServerArgs(kv_cache_dtype="fp8")
+    with pytest.raises(ValueError, match="--kv-cache-dtype: must be one of"):
+        resolve_kv_cache_dtype("e4m3", torch.float32)
+
+
+def test_front_door_flags_are_server_args_under_their_own_heading(capsys):
+    from sglite.cli import build_parser
+
+    args = parse_server_args(["--max-request-bytes", "100", "--http-body-timeout", "5"])
+    assert args.max_request_bytes == 100 and args.http_body_timeout == 5.0
+    with pytest.raises(ValueError, match="--max-json-depth: must be >= 1"):
+        ServerArgs(max_json_depth=0)
+    help_text = build_parser().format_help()
+    section = help_text.split("\nfront door:")[1]
+    assert "--max-request-bytes" in section and "--kv-cache-dtype" not in section
 
 
 def test_chat_template_from_file_or_string(tmp_path):

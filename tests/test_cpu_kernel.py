@@ -1,6 +1,7 @@
 """The native CPU decode-attention kernel (rust/attn via sglite.attention.cpu_kernel) against
 a float64 reference on random layouts: head dims with and without a vector-width multiple,
-GQA groups, ragged lengths, scattered slots, several threads, fp32 and bf16; and its layout
+GQA groups, ragged lengths, scattered slots, several threads, fp32 and bf16, fp8 and bf16
+pools under wider queries; and its layout
 checks (a bad layout is a ValueError, never a crash)."""
 
 from __future__ import annotations
@@ -108,6 +109,22 @@ def test_bf16_matches_the_definition_on_the_same_values():
     torch.testing.assert_close(got.double(), want, atol=1e-2, rtol=1e-2)
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16])
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [20, 64])
+def test_narrow_kv_pools_read_as_their_widened_values(kv_dtype, q_dtype, head_dim):
+    """fp8 (and bf16 under f32 q) K/V read in place equal the definition on their values."""
+    if kv_dtype == q_dtype:
+        pytest.skip("the same dtype: covered above")
+    q, k, v, table, rows, seq_lens = _layout(5, 7, 2, 3, head_dim, 200, torch.float32)
+    k, v, q = (k * 3).to(kv_dtype), (v * 3).to(kv_dtype), q.to(q_dtype)
+    got = cpu_kernel.decode_attention(q, k, v, table, rows, seq_lens, 0.125, 2)
+    assert got.dtype == q_dtype
+    want = _reference(q, k, v, table, rows, seq_lens, 0.125)
+    tol = 1e-5 if q_dtype == torch.float32 else 2e-2  # bf16: the output's rounding
+    torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
+
+
 def test_bad_layouts_are_value_errors():
     q, k, v, table, rows, seq_lens = _layout(1, 3, 2, 2, 16, 10, torch.float32)
     call = cpu_kernel.decode_attention
@@ -119,8 +136,12 @@ def test_bad_layouts_are_value_errors():
     bad[rows[0], 0] = k.shape[0]
     with pytest.raises(ValueError, match="outside the pool"):
         call(q, k, v, bad, rows, seq_lens, 1.0)
-    with pytest.raises(ValueError, match="float32 or all bfloat16"):
+    with pytest.raises(ValueError, match="q must be float32 or bfloat16"):
         call(q.double(), k, v, table, rows, seq_lens, 1.0)
+    with pytest.raises(ValueError, match="k, v one dtype"):  # float32 K/V under bf16 q
+        call(q.bfloat16(), k, v, table, rows, seq_lens, 1.0)
+    with pytest.raises(ValueError, match="k, v one dtype"):
+        call(q, k.to(torch.float8_e4m3fn), v.to(torch.float8_e5m2), table, rows, seq_lens, 1.0)
     with pytest.raises(ValueError, match="contiguous"):
         call(q.transpose(0, 1).contiguous().transpose(0, 1), k, v, table, rows, seq_lens, 1.0)
     with pytest.raises(ValueError, match="int32"):

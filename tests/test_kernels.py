@@ -147,6 +147,38 @@ def test_extend_head_dim_128_group_8_long():
 # ---------------------------------------------------------------- launcher validation
 
 
+FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+@pytest.mark.parametrize("kv_dtype", FP8)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_fp8_pool_reads_its_values_in_q_dtype(kv_dtype, dtype):
+    check_decode([1, 37, 20], 8, 2, 32, 16, dtype, "cpu", [1, 3, 2], 16, kv_dtype=kv_dtype)
+
+
+@pytest.mark.parametrize("kv_dtype", FP8)
+def test_extend_fp8_pool_prefix_and_new_tokens(kv_dtype):
+    check_extend([0, 21, 5], [9, 1, 17], 4, 2, 32, 16, torch.float32, "cpu", (16, 16),
+                 kv_dtype=kv_dtype)  # fmt: skip
+
+
+def test_store_kv_into_an_fp8_pool_and_mixed_dtypes_refused():
+    pool = Pool(8, 4, 2, 32, torch.float8_e4m3fn, "cpu")
+    k, v = torch.randn(5, 2, 32).to(pool.k.dtype), torch.randn(5, 2, 32).to(pool.k.dtype)
+    loc = pool.alloc(5)
+    store_kv(k, v, pool.k, pool.v, loc)
+    assert torch.equal(pool.k[loc].view(torch.uint8), k.view(torch.uint8))
+    q, o = torch.randn(2, 4, 32), torch.empty(2, 4, 32)
+    indptr, indices = torch.tensor([0, 1, 2], dtype=torch.int32), loc[:2].to(torch.int32)
+    splits = torch.ones(2, dtype=torch.int32)
+    with pytest.raises(ValueError, match="dtypes must match"):
+        decode_attention(q, pool.k.float(), pool.v, o, indptr, indices, splits, 1, 1.0)
+    with pytest.raises(ValueError, match="a pool is q's dtype or fp8"):
+        decode_attention(
+            q, pool.k.bfloat16(), pool.v.bfloat16(), o, indptr, indices, splits, 1, 1.0
+        )
+
+
 def _decode_args(**over):
     args = dict(
         q=torch.zeros(2, 4, 32),
@@ -245,3 +277,15 @@ def test_store_kv_gpu():
     loc = pool.alloc(3000).cuda()
     store_kv(k, v, pool.k, pool.v, loc)
     assert torch.equal(pool.k[loc], k) and torch.equal(pool.v[loc], v)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("kv_dtype", FP8)
+def test_fp8_pool_decode_and_extend_gpu(kv_dtype):
+    lens = [1, 17, 300, 1024, 4096, 2047, 513, 64] * 2
+    check_decode(lens, 32, 8, 128, 16, torch.bfloat16, "cuda", kv_dtype=kv_dtype)
+    check_extend(
+        [0, 700, 37, 2048], [513, 1, 300, 128], 32, 8, 128, 16, torch.bfloat16, "cuda",
+        kv_dtype=kv_dtype,
+    )  # fmt: skip

@@ -12,16 +12,20 @@ import triton.language as tl
 from triton.runtime.jit import JITFunction
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# what a KV pool may store (--kv-cache-dtype): the kernels read it converted to q's dtype
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 
-def check_float(name: str, t: torch.Tensor, ndim: int) -> None:
+def check_float(name: str, t: torch.Tensor, ndim: int, kv: bool = False) -> None:
+    """`kv`: a KV pool buffer, which may also be fp8."""
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dim() != ndim:
         raise ValueError(f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
-    if t.dtype not in FLOAT_DTYPES:
-        raise ValueError(f"{name} has dtype {t.dtype}; expected float32, float16 or bfloat16")
+    if t.dtype not in FLOAT_DTYPES + (FP8_DTYPES if kv else ()):
+        expected = "float32, float16, bfloat16" + (", float8_e4m3fn, float8_e5m2" if kv else "")
+        raise ValueError(f"{name} has dtype {t.dtype}; expected one of {expected}")
     if t.numel() > 0 and t.stride(-1) != 1:
         raise ValueError(
             f"{name} must be contiguous in its last (head_dim) dim, got strides {t.stride()}; "
@@ -47,6 +51,15 @@ def check_same_dtype(**tensors: torch.Tensor) -> None:
     if len(set(dtypes.values())) > 1:
         listed = ", ".join(f"{n}={d}" for n, d in dtypes.items())
         raise ValueError(f"dtypes must match ({listed}); cast to one dtype first")
+
+
+def check_pool_dtype(q: torch.Tensor, **buffers: torch.Tensor) -> None:
+    """The pool's buffers share one dtype: q's, or fp8 (read converted to q's)."""
+    check_same_dtype(**buffers)
+    dtype = next(iter(buffers.values())).dtype
+    if dtype != q.dtype and dtype not in FP8_DTYPES:
+        names = ", ".join(buffers)
+        raise ValueError(f"{names} are {dtype} under q {q.dtype}; a pool is q's dtype or fp8")
 
 
 def check_same_device(**tensors: torch.Tensor) -> None:

@@ -31,6 +31,7 @@ from ._common import (
     check_head_dim,
     check_heads,
     check_index,
+    check_pool_dtype,
     check_same_device,
     check_same_dtype,
     check_variant,
@@ -133,7 +134,7 @@ def _decode_stage1(
                 k_base + slot[:, None] * stride_kt + offs_d[None, :],
                 mask=mask_n[:, None],
                 other=0.0,
-            )
+            ).to(q.dtype)  # an fp8 pool's keys in q's dtype
             qk = tile_dot(q, tl.trans(k), DOT_FP32, PRECISION) * sm_scale_log2
             if HAS_CAP:
                 qk = soft_cap(qk, cap_log2)
@@ -146,7 +147,7 @@ def _decode_stage1(
                 v_base + slot[:, None] * stride_vt + offs_d[None, :],
                 mask=mask_n[:, None],
                 other=0.0,
-            )
+            ).to(q.dtype)
             acc = acc * alpha[:, None] + tile_dot(p.to(v.dtype), v, DOT_FP32, PRECISION)
             m_i = m_new
 
@@ -241,7 +242,8 @@ def decode_attention(
     head's softmax denominator only. With a window, num_kv_splits counts splits of the
     windowed keys (see ``num_kv_splits``).
 
-    q, o: [B, Hq, D]; k_buffer, v_buffer: [num_slots, Hkv, D]; kv_indptr: [B+1];
+    q, o: [B, Hq, D]; k_buffer, v_buffer: [num_slots, Hkv, D], q's dtype or fp8 (read
+    converted to q's: --kv-cache-dtype); kv_indptr: [B+1];
     kv_indices: slot ids; num_kv_splits: [B] in 1..max_splits (see ``num_kv_splits``; values
     outside are clamped on the device).
     mid_o [B, Hq, max_splits, D] / mid_lse [B, Hq, max_splits] (fp32) are scratch: pass them
@@ -250,9 +252,10 @@ def decode_attention(
     """
     check_float("q", q, 3)
     check_float("o", o, 3)
-    check_float("k_buffer", k_buffer, 3)
-    check_float("v_buffer", v_buffer, 3)
-    check_same_dtype(q=q, k_buffer=k_buffer, v_buffer=v_buffer, o=o)
+    check_float("k_buffer", k_buffer, 3, kv=True)
+    check_float("v_buffer", v_buffer, 3, kv=True)
+    check_same_dtype(q=q, o=o)
+    check_pool_dtype(q, k_buffer=k_buffer, v_buffer=v_buffer)
     batch, num_q_heads, head_dim = q.shape
     check_index("kv_indptr", kv_indptr, batch + 1)
     check_index("kv_indices", kv_indices)

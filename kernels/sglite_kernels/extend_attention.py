@@ -28,6 +28,7 @@ from ._common import (
     check_head_dim,
     check_heads,
     check_index,
+    check_pool_dtype,
     check_same_device,
     check_same_dtype,
     check_variant,
@@ -111,7 +112,7 @@ def _extend_kernel(
                 KBuf + slot[:, None] * stride_kbt + kvh * stride_kbh + offs_d[None, :],
                 mask=mask_n[:, None],
                 other=0.0,
-            )
+            ).to(q.dtype)  # an fp8 pool's keys in q's dtype
             qk = tile_dot(q, tl.trans(k), DOT_FP32, PRECISION) * sm_scale_log2
             if HAS_CAP:
                 qk = soft_cap(qk, cap_log2)
@@ -127,7 +128,7 @@ def _extend_kernel(
                 VBuf + slot[:, None] * stride_vbt + kvh * stride_vbh + offs_d[None, :],
                 mask=mask_n[:, None],
                 other=0.0,
-            )
+            ).to(q.dtype)
             acc = acc * alpha[:, None] + tile_dot(p.to(v.dtype), v, DOT_FP32, PRECISION)
             m_i = m_new
 
@@ -206,7 +207,7 @@ def extend_attention(
     """Causal attention of the new tokens over prefix + themselves, written into o; returns o.
 
     q, o: [T, Hq, D]; k, v: [T, Hkv, D] (this step's keys/values, any token/head strides);
-    k_buffer, v_buffer: [num_slots, Hkv, D]; qo_indptr, kv_indptr: [B+1]; kv_indices: the
+    k_buffer, v_buffer: [num_slots, Hkv, D], q's dtype or fp8 (read converted to q's); qo_indptr, kv_indptr: [B+1]; kv_indices: the
     prefix slot ids; max_extend_len >= every request's new-token count (sizes the grid).
     ``window``: query position p sees key positions p - window < j <= p (None: all <= p);
     ``logit_cap`` > 0: scores s become cap * tanh(s / cap); ``sinks``: float32 [Hq] logits
@@ -214,9 +215,10 @@ def extend_attention(
     """
     for name, t in (("q", q), ("k", k), ("v", v), ("o", o)):
         check_float(name, t, 3)
-    check_float("k_buffer", k_buffer, 3)
-    check_float("v_buffer", v_buffer, 3)
-    check_same_dtype(q=q, k=k, v=v, o=o, k_buffer=k_buffer, v_buffer=v_buffer)
+    check_float("k_buffer", k_buffer, 3, kv=True)
+    check_float("v_buffer", v_buffer, 3, kv=True)
+    check_same_dtype(q=q, k=k, v=v, o=o)
+    check_pool_dtype(q, k_buffer=k_buffer, v_buffer=v_buffer)
     num_tokens, num_q_heads, head_dim = q.shape
     check_index("qo_indptr", qo_indptr)
     batch = qo_indptr.shape[0] - 1

@@ -1,7 +1,8 @@
 """KV store: scatter this step's K/V rows into the pool buffers at their slots.
 
 k, v: [T, Hkv, D] (any token/head strides; head_dim contiguous), typically views into the
-fused qkv projection. k_buffer, v_buffer: [num_slots, Hkv, D] of the same dtype, rows indexed
+fused qkv projection. k_buffer, v_buffer: [num_slots, Hkv, D] of the same dtype (an fp8 pool:
+the caller casts k and v first, with saturation: sglite.mem_cache.kv_dtype), rows indexed
 by slot id. loc: [T] int32/int64 slot ids. Row t of k/v lands in row loc[t] of the buffers.
 Slots are not bounds-checked on the device (that would need a sync): the allocator owns them.
 """
@@ -64,7 +65,7 @@ def store_kv(
 ) -> None:
     """Write k[t], v[t] into k_buffer[loc[t]], v_buffer[loc[t]] for every token t."""
     for name, t in (("k", k), ("v", v), ("k_buffer", k_buffer), ("v_buffer", v_buffer)):
-        check_float(name, t, 3)
+        check_float(name, t, 3, kv=True)
     check_index("loc", loc, k.shape[0])
     check_same_dtype(k=k, v=v, k_buffer=k_buffer, v_buffer=v_buffer)
     check_same_device(k=k, v=v, k_buffer=k_buffer, v_buffer=v_buffer, loc=loc)

@@ -25,6 +25,7 @@ from ._common import (
     check_float,
     check_head_dim,
     check_index,
+    check_pool_dtype,
     check_same_device,
     check_same_dtype,
     dot_in_fp32,
@@ -94,10 +95,11 @@ def _mla_stage1(
             mask_n = offs_n < hi
             slot = tl.load(KvIndices + kv_start + offs_n, mask=mask_n, other=0).to(tl.int64)
             row = KV + slot[:, None] * stride_kt
-            c = tl.load(row + offs_c[None, :], mask=mask_n[:, None], other=0.0)
+            # an fp8 pool's latents in q's dtype
+            c = tl.load(row + offs_c[None, :], mask=mask_n[:, None], other=0.0).to(q_c.dtype)
             r = tl.load(
                 row + LATENT + offs_r[None, :], mask=mask_n[:, None] & mask_r[None, :], other=0.0
-            )
+            ).to(q_c.dtype)
             qk = tile_dot(q_c, tl.trans(c), DOT_FP32, PRECISION)
             qk += tile_dot(q_r, tl.trans(r), DOT_FP32, PRECISION)
             qk = tl.where(mask_n[None, :], qk * sm_scale_log2, float("-inf"))
@@ -136,14 +138,15 @@ def mla_decode_attention(
     """o[b, h] = softmax(q[b, h] . KV_b^T * sm_scale) KV_b[:, :Dc] over request b's slots.
 
     q: [B, Hq, Dc + Dr]; kv_buffer: [num_slots, 1, Dc + Dr] (its rows' first Dc dims are the
-    values); o: [B, Hq, Dc]; kv_indptr [B+1], kv_indices, num_kv_splits [B] as in
+    values; q's dtype or fp8, read converted to q's); o: [B, Hq, Dc]; kv_indptr [B+1], kv_indices, num_kv_splits [B] as in
     decode_attention; mid_o [B, Hq, max_splits, Dc] / mid_lse [B, Hq, max_splits] (fp32) are
     optional scratch. Returns o.
     """
     check_float("q", q, 3)
-    check_float("kv_buffer", kv_buffer, 3)
+    check_float("kv_buffer", kv_buffer, 3, kv=True)
     check_float("o", o, 3)
-    check_same_dtype(q=q, kv_buffer=kv_buffer, o=o)
+    check_same_dtype(q=q, o=o)
+    check_pool_dtype(q, kv_buffer=kv_buffer)
     batch, num_heads, dk = q.shape
     latent = o.shape[2]
     rope = dk - latent

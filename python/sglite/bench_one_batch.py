@@ -161,6 +161,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="auto, bf16, fp8_e4m3 or fp8_e5m2")
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
     parser.add_argument("--page-size", type=int, default=1)
     parser.add_argument("--attention-backend", default=None, help="cpu, torch_native or triton")
@@ -213,6 +214,7 @@ def _bench_rank(args: argparse.Namespace, tp_rank: int) -> dict:
     runner = ModelRunner(
         args.model_path,
         dtype=args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
         device=args.device,
         page_size=args.page_size,
         max_total_tokens=max(need, 4096),

@@ -14,6 +14,7 @@ from typing import Any
 
 from sglite.attention import BACKENDS, default_backend
 from sglite.config_checks import validate
+from sglite.config_front_door import FrontDoorArgs
 from sglite.constrained import GRAMMAR_BACKENDS
 from sglite.kv_events.config import KvEventsConfig, parse_kv_events_config
 from sglite.parsers import REASONING_FORMATS, TOOL_CALL_PARSERS
@@ -23,6 +24,7 @@ SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random", "hrrn", "shor
 EVICTION_POLICIES = ("lru", "lfu", "fifo", "priority")
 ATTENTION_BACKENDS = tuple(BACKENDS)
 DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
+KV_CACHE_DTYPES = ("auto", "bf16", "bfloat16", "fp8_e4m3", "fp8_e5m2")  # SGLang's names
 LOG_LEVELS = ("debug", "info", "warning", "error")
 TOKENIZER_MODES = ("auto", "slow")
 LOG_REQUESTS_LEVELS = (0, 1, 2, 3)
@@ -35,7 +37,7 @@ def _f(default: Any, help: str, **kw: Any) -> Any:
 
 
 @dataclass(frozen=True)
-class ServerArgs:
+class ServerArgs(FrontDoorArgs):
     model_path: str | None = _f(
         None,
         "A Hugging Face repo id (Qwen/Qwen3-0.6B: taken from the local Hub cache, downloaded "
@@ -66,11 +68,19 @@ class ServerArgs:
     port: int = _f(30000, "HTTP port.")
     dtype: str = _f(
         "auto",
-        "Weights and KV dtype. auto: on CUDA as SGLang, float16 for float32/float16 "
+        "Weights, activations and (without --kv-cache-dtype) KV dtype. auto: on CUDA as SGLang, float16 for float32/float16 "
         "checkpoints and bfloat16 for bfloat16 ones; on CPU float32 whatever the checkpoint "
         "(this engine's fastest CPU path, measured; bfloat16 only when asked). half = "
         "float16, float = float32.",
         choices=DTYPES,
+    )
+    kv_cache_dtype: str = _f(
+        "auto",
+        "KV cache storage dtype: auto (--dtype's), bf16 (= bfloat16), fp8_e4m3 or fp8_e5m2 "
+        "(1 byte per value: 4x the tokens of float32 in the same memory; no scale, values "
+        "saturated to the format's max; attention computes in --dtype). HiCache's host and "
+        "file tiers store the same dtype.",
+        choices=KV_CACHE_DTYPES,
     )
     device: str | None = _f(None, "cuda or cpu (default: cuda when available).")
     context_length: int | None = _f(
@@ -189,50 +199,6 @@ class ServerArgs:
         "CORS: comma-separated origins a browser page may call the server from; * (default, "
         "as SGLang) allows any. A request with an Origin header not in the list is refused "
         "with 403 before it takes effect.",
-    )
-    # the front door on a network (README "Running it on a network"; server/limits.py)
-    max_request_bytes: int = _f(
-        2 << 20,
-        "Largest request body in bytes (HTTP 413 above); parsing JSON holds the GIL, about "
-        "1 us per value, so this bounds how long one body can stall the event loop.",
-    )
-    max_prompts_per_request: int = _f(1024, "Most prompts in one batch request.")
-    max_sequences_per_request: int = _f(
-        4096, "Most sequences one request may start: its prompts times n."
-    )
-    max_prompt_chars: int | None = _f(
-        None,
-        "Most characters in one prompt (or in a chat's message contents), checked before "
-        "tokenizing; default: 32 per token of the context length, at least 1,000,000.",
-    )
-    max_chat_messages: int = _f(4096, "Most messages in one chat request.")
-    max_top_logprobs_num: int = _f(
-        100,
-        "Most log-probs per token a request may ask for beyond the chosen one "
-        "(top_logprobs_num, and the length of token_ids_logprob); OpenAI routes stay at 20.",
-    )
-    max_logit_bias: int = _f(1024, "Most entries in one request's logit_bias.")
-    max_grammar_chars: int = _f(128 << 10, "Longest json_schema, regex or ebnf text in characters.")
-    max_json_depth: int = _f(64, "Deepest nesting of objects and arrays in a request body.")
-    timeout_keep_alive: float = _f(
-        5.0, "Seconds an idle keep-alive connection stays open after a response."
-    )
-    http_header_timeout: float = _f(
-        10.0,
-        "Seconds a client has to send a request's headers, from connecting or from the end "
-        "of the previous response (slow senders are closed).",
-    )
-    http_body_timeout: float = _f(
-        60.0, "Seconds a client has to send a request's body once its headers are in."
-    )
-    max_connections: int | None = _f(
-        None,
-        "Most open client connections; one more is answered 503 and closed. Default: "
-        "min(4096, what the open-file limit leaves after the server's own files and a "
-        "margin) (the soft limit is raised to the hard one at start-up).",
-    )
-    tokenizer_threads: int = _f(
-        4, "Threads that parse, template and tokenize requests off the event loop."
     )
     parse_special_tokens_in_content: bool = _f(
         False,
@@ -395,19 +361,24 @@ class ServerArgs:
     # ---------------------------------------------------------------- CLI
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        front_door = {f.name for f in dataclasses.fields(FrontDoorArgs)}
+        front_door_group = parser.add_argument_group(
+            "front door", FrontDoorArgs.__doc__.splitlines()[0]
+        )
         for f in dataclasses.fields(cls):
             flag = "--" + f.name.replace("_", "-")
             meta = f.metadata
+            group = front_door_group if f.name in front_door else parser
             if f.type in ("bool", bool):
-                parser.add_argument(flag, action="store_true", help=meta["help"])
+                group.add_argument(flag, action="store_true", help=meta["help"])
                 continue
             if f.type == "bool | None":  # machine-dependent default: --flag / --no-flag
-                parser.add_argument(
+                group.add_argument(
                     flag, action=argparse.BooleanOptionalAction, default=None, help=meta["help"]
                 )
                 continue
             kind = {"int": int, "float": float}.get(str(f.type).split(" |")[0], str)
-            parser.add_argument(
+            group.add_argument(
                 flag, type=kind, default=f.default, help=meta["help"], choices=meta.get("choices")
             )
 

@@ -3,7 +3,7 @@
 A command copied from SGLang's documentation should fail with a sentence that names the flag
 and says it is not supported, not with argparse's "unrecognized arguments". Families of
 flags (`--speculative-*`, `--disaggregation-*`, ...) are matched by prefix. Given with the
-value that means what sglite does anyway (`--pp-size 1`, `--kv-cache-dtype auto`), such a
+value that means what sglite does anyway (`--pp-size 1`, `--load-format auto`), such a
 flag is accepted and dropped (`drop_no_ops`). A flag that sglite's own parser has is never
 refused here, so implementing one (as `--dp-size` was) only means adding its ServerArgs field.
 """
@@ -16,7 +16,6 @@ from collections.abc import Iterable, Sequence
 UNSUPPORTED: dict[str, str] = {
     "--quantization": "weight quantization",
     "--quantization-param-path": "weight quantization",
-    "--kv-cache-dtype": "a KV cache dtype other than the model's",
     "--load-format": "weight formats other than safetensors and GGUF",
     "--enable-dp-attention": "data-parallel attention",
     "--pp-size": "pipeline parallelism",
@@ -37,7 +36,6 @@ UNSUPPORTED: dict[str, str] = {
 }
 # flag -> the values with which it asks for nothing sglite does not do already
 NO_OP_VALUES: dict[str, frozenset[str]] = {
-    "--kv-cache-dtype": frozenset({"auto"}),
     "--load-format": frozenset({"auto", "safetensors"}),
     **{
         flag: frozenset({"1"})

@@ -3,7 +3,8 @@
 Decode batches and the decode rows of mixed batches attend through
 `sglite.attention.cpu_kernel` (rust/attn), which reads each row's K/V in place from the
 pool (under a sliding window, only the row's last W keys; logit caps and sinks in the
-kernel too; MLA's absorbed decode reads its values, the latents, from the key rows). torch_native gathers them into a padded copy in every layer instead, which on a
+kernel too; MLA's absorbed decode reads its values, the latents, from the key rows; bf16 and
+fp8 pools are widened as they are read). torch_native gathers them into a padded copy in every layer instead, which on a
 1,000-token context costs several times the decode step's matrix multiplications.
 
 A request with several new tokens over a cached prefix, where the window hides nothing,
@@ -48,18 +49,20 @@ class CpuAttnBackend(TorchNativeAttnBackend):
         reason = cpu_kernel.unavailable_reason()
         if reason is None and runner.device.type != "cpu":
             reason = f"it runs on the CPU, not {runner.device.type}"
-        if reason is None and not cpu_kernel.supports_dtype(runner.kv_pool.dtype):
-            reason = f"its kernel takes float32 or bfloat16 K/V, not {runner.kv_pool.dtype}"
         if reason is not None:
             raise ValueError(
                 f"attention backend 'cpu' is unavailable: {reason}; "
                 "use --attention-backend torch_native"
             )
         super().__init__(runner)
+        # a pool the kernel cannot read (float16) takes torch_native's gather path
+        self.kernel_reads_pool = cpu_kernel.supports_kv_dtype(runner.kv_pool.dtype)
 
     def _rows(
         self, batch: ForwardBatch, which, seq_lens: list[int], window: int | None, tokens=None
     ) -> _PoolRows:
+        if not self.kernel_reads_pool:
+            return super()._rows(batch, which, seq_lens, window, tokens)
         pool_rows = batch.req_pool_indices
         if len(which) != batch.batch_size:
             pool_rows = pool_rows[torch.tensor(list(which), device=pool_rows.device)]
@@ -75,10 +78,15 @@ class CpuAttnBackend(TorchNativeAttnBackend):
     def _decode_rows(
         self, q: torch.Tensor, layer: RadixAttention, batch: ForwardBatch, rows: _PoolRows
     ) -> torch.Tensor:
+        if not self.kernel_reads_pool:
+            return super()._decode_rows(q, layer, batch, rows)
         pool = batch.kv_pool
         k, v = pool.k_buffer[layer.layer_id], pool.v_buffer[layer.layer_id]
+        # q as it is (float32, bfloat16) over its dtype's pool or a narrower one (bf16, fp8);
+        # a float16 model's q in float32 (its pool is then bf16 or fp8: see kernel_reads_pool)
+        q_in = q if cpu_kernel.supports_dtype(q.dtype) else q.float()
         out = rows.plan.attend(
-            q.to(k.dtype).contiguous(),
+            q_in.contiguous(),
             k,
             v,
             layer.scaling,

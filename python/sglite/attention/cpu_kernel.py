@@ -5,7 +5,9 @@ to the slots `table[rows[i], :seq_lens[i]]` (with a sliding window W, only the l
 them), GQA query head h to KV head `h // (num_heads // num_kv_heads)`; a layer may cap its
 logits and add sinks (see `sglite.layers.radix_attention`). Values may be narrower than
 keys: a contiguous `[slots, KVH, Dv]` buffer, or (MLA's latent pool) a view of the first Dv
-dims of the key rows, which the kernel reads in place from the key buffer. A forward pass plans its rows once (`DecodeRows`) and
+dims of the key rows, which the kernel reads in place from the key buffer. K/V are q's dtype
+(float32 or bfloat16) or narrower: a bfloat16 pool under float32 q, an fp8 pool (e4m3fn,
+e5m2: `--kv-cache-dtype`) under either, widened to f32 as they are read. A forward pass plans its rows once (`DecodeRows`) and
 attends in every layer; this module checks the layout contract (CPU, dtype, shape,
 contiguity), keeps the tensors alive for each call and returns the output.
 
@@ -25,7 +27,13 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
+_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}  # of q and the output
+# of K/V: q's, or (the pool's --kv-cache-dtype) bfloat16 under float32 q, or fp8 under either
+_KV_DTYPES = {
+    **_DTYPES,
+    torch.float8_e4m3fn: "float8_e4m3fn",
+    torch.float8_e5m2: "float8_e5m2",
+}
 
 
 def unavailable_reason() -> str | None:
@@ -65,7 +73,17 @@ def share_torch_openmp() -> bool:
 
 
 def supports_dtype(dtype: torch.dtype) -> bool:
+    """Whether q (and the output) may be of `dtype`."""
     return dtype in _DTYPES
+
+
+def supports_kv_dtype(dtype: torch.dtype) -> bool:
+    """Whether the kernel reads K/V of `dtype` in place (float32 or bfloat16 q over them)."""
+    return dtype in _KV_DTYPES
+
+
+def _pair_ok(q: torch.dtype, kv: torch.dtype) -> bool:
+    return q in _DTYPES and kv in _KV_DTYPES and (kv == q or kv.itemsize < q.itemsize)
 
 
 def _raw(t: torch.Tensor) -> tuple[int, int]:
@@ -119,7 +137,8 @@ class DecodeRows:
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """q `[n, H, D]` over one layer's k `[num_slots, KVH, D]` and v `[num_slots, KVH,
-        Dv]` (Dv <= D; contiguous, or a view of k's first Dv dims); returns `[n, H, Dv]`.
+        Dv]` (Dv <= D; contiguous, or a view of k's first Dv dims); returns `[n, H, Dv]` in
+        q's dtype. K/V may be stored narrower than q (bfloat16, fp8): read widened to f32.
         `logit_cap` (0: none) caps the scores; `sinks` `[H]` join the softmax's denominator."""
         if (
             q.dim() != 3
@@ -138,9 +157,10 @@ class DecodeRows:
                 f"decode_attention: q {tuple(q.shape)} and K/V {tuple(k_buffer.shape)} do not "
                 f"fit {self.num_rows} rows of head_dim {head_dim}"
             )
-        if q.dtype not in _DTYPES or k_buffer.dtype != q.dtype or v_buffer.dtype != q.dtype:
+        if k_buffer.dtype != v_buffer.dtype or not _pair_ok(q.dtype, k_buffer.dtype):
             raise ValueError(
-                f"decode_attention: q, k, v must all be float32 or all bfloat16; got "
+                f"decode_attention: q must be float32 or bfloat16 and k, v one dtype: q's, "
+                f"bfloat16 under float32 q, or float8_e4m3fn / float8_e5m2; got "
                 f"{q.dtype}, {k_buffer.dtype}, {v_buffer.dtype}"
             )
         v_dim = v_buffer.shape[2]
@@ -171,6 +191,7 @@ class DecodeRows:
             float(logit_cap),
             sink_arg,
             v_dim,
+            _KV_DTYPES[k_buffer.dtype],
         )
         return out
 

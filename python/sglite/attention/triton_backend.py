@@ -12,7 +12,9 @@ Every layer then stores its K/V with the `store_kv` kernel (`save_kv`) and runs 
 split-KV decode, or extend (prefix through the slot list, new tokens from this step's k/v).
 MLA's latent pool (`pool.values_in_keys`): rows stored with `set_kv`, decode through
 `mla_decode_attention` (its extend is torch's, sglite.layers.latent_attention).
-Slot-level indices work for any page size. The per-layer variations go to the kernels as
+Slot-level indices work for any page size. An fp8 pool (`--kv-cache-dtype`) stores
+saturated casts (`kv_dtype.to_store`) and the kernels convert its tiles to q's dtype as they
+load them. The per-layer variations go to the kernels as
 arguments: a layer's sliding window makes the kernels start each row at its window (the
 slot lists still cover every position, so all layers share them); only the decode split
 counts depend on the window (they split the keys a row reads), one tensor per window. On CPU the kernels run only through Triton's
@@ -35,6 +37,7 @@ import torch
 
 from sglite.attention.base import AttentionBackend
 from sglite.layers.radix_attention import RadixAttention
+from sglite.mem_cache.kv_dtype import is_fp8, to_store
 from sglite_kernels import (
     decode_attention,
     extend_attention,
@@ -239,8 +242,8 @@ class TritonAttnBackend(AttentionBackend):
             pool.set_kv(layer.layer_id, batch.out_cache_loc, k, v)
             return
         store_kv(
-            k.to(pool.dtype),
-            v.to(pool.dtype),
+            to_store(k, pool.dtype),
+            to_store(v, pool.dtype),
             pool.k_buffer[layer.layer_id],
             pool.v_buffer[layer.layer_id],
             batch.out_cache_loc,
@@ -255,7 +258,7 @@ class TritonAttnBackend(AttentionBackend):
         batch: ForwardBatch,
     ) -> torch.Tensor:
         meta, pool = self._meta, batch.kv_pool
-        q_kv = q.to(pool.dtype)
+        q_kv = _compute(q, pool)
         dv = layer.v_head_dim
         if meta.mid_o is None or meta.mid_o.shape[-1] < dv:
             shape = (q.shape[0], q.shape[1], MAX_KV_SPLITS)
@@ -294,12 +297,12 @@ class TritonAttnBackend(AttentionBackend):
         batch: ForwardBatch,
     ) -> torch.Tensor:
         meta, pool = self._meta, batch.kv_pool
-        q_kv = q.to(pool.dtype)
+        q_kv = _compute(q, pool)
         out = torch.empty_like(q_kv)
         extend_attention(
             q_kv,
-            k.to(pool.dtype),
-            v.to(pool.dtype),
+            k.to(q_kv.dtype),
+            v.to(q_kv.dtype),
             out,
             pool.k_buffer[layer.layer_id],
             pool.v_buffer[layer.layer_id],
@@ -311,6 +314,12 @@ class TritonAttnBackend(AttentionBackend):
             **_variant(layer),
         )
         return out.to(q.dtype)
+
+
+def _compute(q: torch.Tensor, pool) -> torch.Tensor:
+    """q in the kernels' compute dtype: the pool's, or q's own over an fp8 pool (whose keys
+    and values the kernels convert to it as they load them)."""
+    return q if is_fp8(pool.dtype) else q.to(pool.dtype)
 
 
 def _variant(layer: RadixAttention) -> dict:

@@ -30,6 +30,7 @@ import logging
 import numpy as np
 import torch
 
+from sglite.mem_cache.kv_dtype import copy_rows
 from sglite.scheduler.req import Req
 
 logger = logging.getLogger(__name__)
@@ -178,7 +179,7 @@ class HiCache(NullTier):
         idx = torch.as_tensor(slots, dtype=torch.int64).to(dev.device)
         for i, buf in enumerate(dev.buffers):  # the pool's buffers, in the pages' order
             rows = torch.cat([p[i] for p in pages])[skip : skip + n]
-            buf.index_copy_(0, idx, rows.to(dev.device))
+            copy_rows(buf, idx, rows.to(dev.device))
         prefix = req.match_slots if req.match_len else np.empty(0, np.int64)
         key = req.fill_slice(0, end)
         all_slots = np.concatenate([np.asarray(prefix, np.int64), slots.astype(np.int64)])

@@ -12,7 +12,8 @@ Copies are explicit gathers/scatters by slot index arrays: `backup(device_idx, h
 are pinned and the copies run on a side stream that first waits for the compute stream (so
 the KV it reads is written); a copy is finished before the call returns (`synchronize`), so
 the slots may be used at once. On CPU both pools are RAM, but they are separate buffers and
-the copies are real (`index_select` + `index_copy_`). Bytes moved each way are counted.
+the copies are real (`index_select` + `copy_rows`). The host pool stores the device pool's dtype
+(`--kv-cache-dtype`): an fp8 pool's host copy is fp8 too. Bytes moved each way are counted.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from sglite.mem_cache.kv_dtype import copy_rows
 from sglite.mem_cache.memory_pool import KVPool
 
 
@@ -57,7 +59,7 @@ class HostKVPool:
         with self._on_side_stream():
             for dev_buf, host_buf in zip(self.device_pool.buffers, self.buffers):
                 rows = dev_buf.index_select(0, src).to("cpu", non_blocking=False)
-                host_buf.index_copy_(0, dst, rows)
+                copy_rows(host_buf, dst, rows)
         self.num_bytes_to_host += len(device_idx) * self.bytes_per_slot
 
     def load(self, host_idx: np.ndarray, device_idx: np.ndarray) -> None:
@@ -73,7 +75,7 @@ class HostKVPool:
                 rows = host_buf.index_select(0, src)
                 if self.stream is not None:
                     rows = rows.pin_memory()
-                dev_buf.index_copy_(0, dst, rows.to(self.device, non_blocking=True))
+                copy_rows(dev_buf, dst, rows.to(self.device, non_blocking=True))
         self.num_bytes_to_device += len(device_idx) * self.bytes_per_slot
 
     def read_pages(self, host_idx: np.ndarray) -> list[torch.Tensor]:

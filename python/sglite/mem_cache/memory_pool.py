@@ -13,10 +13,13 @@ use; `KVPool` here, `MLAKVPool` in mla_pool.py):
 - `k_buffer[layer]` `[rows, num_kv_heads, head_dim]` and `v_buffer[layer]` `[rows,
   num_kv_heads, v_head_dim]`: what attention reads. They may share storage (MLA: the value
   is the first `v_head_dim` dims of the key row, `v_buffer` a view of `k_buffer`).
-- `set_kv(layer, loc, k, v)`: store this step's rows at slots `loc`.
+- `set_kv(layer, loc, k, v)`: store this step's rows at slots `loc`, cast to the pool's
+  `dtype` (`--kv-cache-dtype`; fp8 saturated, see sglite.mem_cache.kv_dtype). Readers
+  convert K/V to their compute dtype.
 - `buffers`: every tensor that holds the cache, each indexed by slot along dim 0, with no
   tensor listed twice. Whatever moves KV between tiers copies exactly these (row r of every
-  buffer is slot r's KV) and nothing else, so a new layout needs no change there.
+  buffer is slot r's KV) and nothing else, so a new layout needs no change there; it
+  scatters rows with `kv_dtype.copy_rows` (fp8 has no CPU `index_copy_`).
 - `layout`: the frozen description the pool was built from (`bytes_per_token`, `describe`,
   `key`: what must be equal for two servers to share stored pages); `like(num_slots,
   device)` builds an empty pool of the same layout (the host tier's).
@@ -32,6 +35,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from sglite.mem_cache.kv_dtype import copy_rows, to_store
 
 
 class ReqToTokenPool:
@@ -194,8 +199,8 @@ class KVPool:
 
     def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Scatter this step's K/V (`[T, num_kv_heads, head_dim]`) to slots `loc` (`[T]`, int64)."""
-        self.k_buffer[layer_id].index_copy_(0, loc, k.to(self.dtype))
-        self.v_buffer[layer_id].index_copy_(0, loc, v.to(self.dtype))
+        copy_rows(self.k_buffer[layer_id], loc, to_store(k, self.dtype))
+        copy_rows(self.v_buffer[layer_id], loc, to_store(v, self.dtype))
 
     def memory_bytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.buffers)

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from sglite.mem_cache.kv_dtype import copy_rows, to_store
+
 
 @dataclass(frozen=True)
 class MLALayout:
@@ -117,7 +119,7 @@ class MLAKVPool:
     def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store the rows `k` (`[T, 1, kv_lora_rank + rope]`: `[c_kv | k_pe]`) at slots `loc`;
         `v` is their first `kv_lora_rank` dims and is not stored twice."""
-        self.kv_buffer[layer_id].index_copy_(0, loc, k.to(self.dtype))
+        copy_rows(self.kv_buffer[layer_id], loc, to_store(k, self.dtype))
 
     def memory_bytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.kv_buffer)

@@ -2,7 +2,9 @@
 
 Start-up, in order: pick device and dtype, read the config, load the weights (packed for
 oneDNN on CPU), size the KV pool from the model's `kv_layout()` (per-head K/V, or MLA's
-latent rows; the log line gives its bytes per token, for MLA next to what MHA would need)
+latent rows) in `kv_cache_dtype` (default: the model's dtype; sglite.mem_cache.kv_dtype; the
+log line gives its dtype and bytes per token, for MLA next to what MHA would need, and for
+another dtype than the model's how many tokens the same memory holds in the model's)
 to `max_total_tokens`, or on CUDA `mem_fraction_static` of the GPU memory, create the tree
 core's `PageAllocator` over those slots, the `ReqToTokenPool`, and the attention backend; on
 CUDA, last, capture the decode CUDA graphs (`cuda_graph_runner.py`; `disable_cuda_graph`,
@@ -41,6 +43,7 @@ from sglite.distributed import (
     init_tp_group,
     local_head_counts,
 )
+from sglite.mem_cache.kv_dtype import resolve_kv_cache_dtype
 from sglite.mem_cache.memory_pool import ReqToTokenPool, kv_slots_for_budget
 from sglite.model_executor.cuda_graph_runner import (
     CudaGraphRunner,
@@ -99,12 +102,17 @@ def resolve_dtype(
     return DTYPES[dtype]
 
 
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 class ModelRunner:
     def __init__(
         self,
         model_path: str | os.PathLike | None,
         *,
         dtype: str | torch.dtype | None = None,
+        kv_cache_dtype: str | torch.dtype | None = None,
         device: str | torch.device | None = None,
         page_size: int = 1,
         max_total_tokens: int | None = None,
@@ -142,6 +150,7 @@ class ModelRunner:
             tp_size, tp_rank, dist_init_addr, self.device, dist_timeout or DEFAULT_TIMEOUT_S
         )
         self.dtype = resolve_dtype(dtype, self.device, self.model_config.torch_dtype)
+        self.kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, self.dtype)
         logger.info(
             "loading %s (%s, %d layers) on %s as %s",
             self.model_path,
@@ -191,7 +200,7 @@ class ModelRunner:
 
         cfg, ps = self.model_config, self.page_size
         layout = self.model.kv_layout()  # per-head K/V (this rank's heads) or MLA's latent
-        per_slot = layout.bytes_per_token(self.dtype)
+        per_slot = layout.bytes_per_token(self.kv_dtype)
         if max_total_tokens is not None:
             num_slots = max_total_tokens // ps * ps
         elif self.device.type == "cuda":
@@ -222,17 +231,27 @@ class ModelRunner:
             raise ValueError(f"max_running_requests must be >= 1, got {max_running_requests}")
         self.max_running_requests = max_running_requests or min(4096, max(16, num_slots // 32))
         logger.info("building the KV pool: %d tokens", num_slots)
-        self.kv_pool = layout.build(num_slots, ps, self.dtype, self.device)
+        self.kv_pool = layout.build(num_slots, ps, self.kv_dtype, self.device)
         self.req_to_token_pool = ReqToTokenPool(
             self.max_running_requests, cfg.context_length, self.device
         )
         core = sglite.core.load(tree_core, page_size=ps)
         self.allocator = core.PageAllocator(num_slots, ps)
         logger.info(
-            "KV pool: %d tokens, %s B/token (%s), %.2f GiB, page size %d, %d request rows",
-            num_slots, f"{per_slot:,}", layout.describe(self.dtype),
+            "KV pool: %d tokens of %s, %s B/token (%s), %.2f GiB, page size %d, %d request "
+            "rows%s",
+            num_slots, _name(self.kv_dtype), f"{per_slot:,}", layout.describe(self.kv_dtype),
             self.kv_pool.memory_bytes() / (1 << 30), ps, self.max_running_requests,
+            self._kv_dtype_comparison(layout),
         )  # fmt: skip
+
+    def _kv_dtype_comparison(self, layout) -> str:
+        """For the pool log line: what the same memory would hold in the model's dtype."""
+        if self.kv_dtype == self.dtype:
+            return ""
+        per_slot = layout.bytes_per_token(self.dtype)
+        fit = kv_slots_for_budget(self.kv_pool.memory_bytes(), per_slot, self.page_size)
+        return f"; in {_name(self.dtype)} ({per_slot:,} B/token) this memory holds {fit} tokens"
 
     def _init_cuda_graphs(
         self, disable: bool, max_bs: int | None

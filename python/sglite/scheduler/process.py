@@ -109,6 +109,7 @@ def build_scheduler(
     runner = ModelRunner(
         args.model_path,
         dtype=args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
         device=device,
         page_size=args.page_size,
         max_total_tokens=args.max_total_tokens,

@@ -26,55 +26,16 @@
 //! and a KV head) are cut into ranges of about equal key count, one per thread (`pool`). The loops are compiled for AVX-512, for AVX2+FMA and for the baseline, and
 //! the best the CPU has is chosen at run time.
 
+mod elem;
 mod exp;
-mod kernel;
+pub mod fp8;
+pub(crate) mod kernel;
 pub mod ops;
 pub mod pool;
 
 use std::fmt;
 
-/// An element type of q, K, V and the output; math is in f32.
-pub trait Elem: Copy + Send + Sync + 'static {
-    /// bfloat16 bits (loaded by widening to f32), else f32 itself.
-    const IS_BF16: bool;
-    fn to_f32(self) -> f32;
-    fn from_f32(x: f32) -> Self;
-}
-
-impl Elem for f32 {
-    const IS_BF16: bool = false;
-    #[inline(always)]
-    fn to_f32(self) -> f32 {
-        self
-    }
-    #[inline(always)]
-    fn from_f32(x: f32) -> Self {
-        x
-    }
-}
-
-/// bfloat16 as its bit pattern (the top half of an f32).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-#[repr(transparent)]
-pub struct Bf16(pub u16);
-
-impl Elem for Bf16 {
-    const IS_BF16: bool = true;
-    #[inline(always)]
-    fn to_f32(self) -> f32 {
-        f32::from_bits(u32::from(self.0) << 16)
-    }
-    /// Round to nearest, ties to even (what torch does); NaN stays NaN.
-    #[inline(always)]
-    fn from_f32(x: f32) -> Self {
-        let bits = x.to_bits();
-        if x.is_nan() {
-            return Bf16(((bits >> 16) as u16) | 0x40);
-        }
-        let round = 0x7fff + ((bits >> 16) & 1);
-        Bf16((bits.wrapping_add(round) >> 16) as u16)
-    }
-}
+pub use elem::{Bf16, E4m3, E5m2, Elem, Kind, KvElem};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Dims {
@@ -99,10 +60,10 @@ impl Dims {
 
 /// One layer's decode attention, all inputs borrowed (`decode_attention` builds the plan and
 /// runs it; a forward pass builds one `DecodePlan` and runs it for every layer instead).
-pub struct Problem<'a, T> {
+pub struct Problem<'a, T, K = T> {
     pub q: &'a [T],
-    pub k: &'a [T],
-    pub v: &'a [T],
+    pub k: &'a [K],
+    pub v: &'a [K],
     pub table: &'a [i32],
     pub table_width: usize,
     pub rows: &'a [i64],
@@ -122,10 +83,11 @@ pub struct Variant<'a> {
 }
 
 /// What changes from layer to layer: the queries, this layer's pool and the head layout.
-pub struct Layer<'a, T> {
+/// K/V may be stored narrower than q (`K`: an fp8 or bf16 pool under f32 queries).
+pub struct Layer<'a, T, K = T> {
     pub q: &'a [T],
-    pub k: &'a [T],
-    pub v: &'a [T],
+    pub k: &'a [K],
+    pub v: &'a [K],
     pub dims: Dims,
     pub scale: f32,
     pub variant: Variant<'a>,
@@ -151,8 +113,8 @@ pub(crate) fn err<T>(msg: String) -> Result<T, AttnError> {
 const MIN_PARALLEL_WORK: usize = 8192;
 
 /// Attention of one query token per row; writes `out` (`[n, num_heads, v_dim]`).
-pub fn decode_attention<T: Elem>(
-    p: &Problem<'_, T>,
+pub fn decode_attention<T: Elem, K: KvElem>(
+    p: &Problem<'_, T, K>,
     out: &mut [T],
     num_threads: usize,
 ) -> Result<(), AttnError> {
@@ -280,9 +242,9 @@ impl DecodePlan {
     }
 
     /// One layer: writes `out` (`[n, num_heads, v_dim]`) from `layer`'s q and pool.
-    pub fn run<T: Elem>(
+    pub fn run<T: Elem, K: KvElem>(
         &self,
-        layer: &Layer<'_, T>,
+        layer: &Layer<'_, T, K>,
         out: &mut [T],
         num_threads: usize,
     ) -> Result<(), AttnError> {
@@ -305,7 +267,7 @@ impl DecodePlan {
     }
 
     /// Checks the layer against the plan; returns the width of `v`'s rows.
-    fn check<T>(&self, layer: &Layer<'_, T>, out_len: usize) -> Result<usize, AttnError> {
+    fn check<T, K>(&self, layer: &Layer<'_, T, K>, out_len: usize) -> Result<usize, AttnError> {
         let Dims {
             num_heads,
             num_kv_heads,

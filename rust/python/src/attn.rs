@@ -7,7 +7,7 @@
 //! errors (sizes, rows, lengths, slot ids) raise ValueError and write nothing. A run releases
 //! the GIL.
 
-use cpu_attn::{AttnError, Bf16, Dims, Elem, Layer, Variant};
+use cpu_attn::{AttnError, Bf16, Dims, E4m3, E5m2, Elem, KvElem, Layer, Variant};
 use pyo3::prelude::*;
 
 use crate::convert::value_error;
@@ -96,11 +96,13 @@ impl PyDecodePlan {
 
     /// One layer: q `[n, num_heads, head_dim]`, out `[n, num_heads, v_dim]`, k `[num_slots,
     /// num_kv_heads, head_dim]`, v `[num_slots, num_kv_heads, >= v_dim]` (see `cpu_attn`; None:
-    /// `head_dim`), all "float32" or all "bfloat16" (`dtype`); `logit_cap` (0: none) and
-    /// `sinks` (float32 `[num_heads]`, or None) as in `cpu_attn::Variant`.
+    /// `head_dim`); q and out "float32" or "bfloat16" (`dtype`), k and v `kv_dtype` (None:
+    /// `dtype`): the same, or with float32 q "bfloat16", and "float8_e4m3fn" or
+    /// "float8_e5m2" under either; `logit_cap` (0: none) and `sinks` (float32 `[num_heads]`,
+    /// or None) as in `cpu_attn::Variant`.
     #[pyo3(signature = (
         q, k, v, out, num_heads, num_kv_heads, head_dim, scale, dtype, num_threads,
-        logit_cap=0.0, sinks=None, v_dim=None
+        logit_cap=0.0, sinks=None, v_dim=None, kv_dtype=None
     ))]
     #[allow(clippy::too_many_arguments)]
     fn run(
@@ -119,16 +121,29 @@ impl PyDecodePlan {
         logit_cap: f32,
         sinks: Option<(usize, usize)>,
         v_dim: Option<usize>,
+        kv_dtype: Option<&str>,
     ) -> PyResult<()> {
-        let elem = match dtype {
-            "float32" => 4,
-            "bfloat16" => 2,
-            other => return Err(value_error(format!("dtype {other:?}: float32 or bfloat16"))),
+        let kv_dtype = kv_dtype.unwrap_or(dtype);
+        let pair = match (dtype, kv_dtype) {
+            ("float32", "float32") => Pair::F32,
+            ("bfloat16", "bfloat16") => Pair::Bf16,
+            ("float32", "bfloat16") => Pair::F32Bf16,
+            ("float32", "float8_e4m3fn") => Pair::F32E4m3,
+            ("float32", "float8_e5m2") => Pair::F32E5m2,
+            ("bfloat16", "float8_e4m3fn") => Pair::Bf16E4m3,
+            ("bfloat16", "float8_e5m2") => Pair::Bf16E5m2,
+            (q, kv) => {
+                return Err(value_error(format!(
+                    "dtypes {q:?} (q) and {kv:?} (K/V): q float32 or bfloat16, K/V the same, \
+                     bfloat16 under float32, or float8_e4m3fn / float8_e5m2"
+                )))
+            }
         };
+        let (elem, kv_elem) = pair.sizes();
         let (q, k, v, out) = (
             Raw::new("q", q, elem)?,
-            Raw::new("k", k, elem)?,
-            Raw::new("v", v, elem)?,
+            Raw::new("k", k, kv_elem)?,
+            Raw::new("v", v, kv_elem)?,
             Raw::new("out", out, elem)?,
         );
         let sinks = sinks.map(|s| Raw::new("sinks", s, 4)).transpose()?;
@@ -151,14 +166,44 @@ impl PyDecodePlan {
                     scale,
                     variant,
                 };
-                if elem == 4 {
-                    run::<f32>(plan, [&q, &k, &v], &out, shape, num_threads)
-                } else {
-                    run::<Bf16>(plan, [&q, &k, &v], &out, shape, num_threads)
+                let args = ([&q, &k, &v], &out, shape, num_threads);
+                match pair {
+                    Pair::F32 => run::<f32, f32>(plan, args),
+                    Pair::Bf16 => run::<Bf16, Bf16>(plan, args),
+                    Pair::F32Bf16 => run::<f32, Bf16>(plan, args),
+                    Pair::F32E4m3 => run::<f32, E4m3>(plan, args),
+                    Pair::F32E5m2 => run::<f32, E5m2>(plan, args),
+                    Pair::Bf16E4m3 => run::<Bf16, E4m3>(plan, args),
+                    Pair::Bf16E5m2 => run::<Bf16, E5m2>(plan, args),
                 }
             }
         });
         result.map_err(|e| value_error(e.0))
+    }
+}
+
+/// The (q and out, K and V) element types a run may take.
+#[derive(Clone, Copy)]
+enum Pair {
+    F32,
+    Bf16,
+    F32Bf16,
+    F32E4m3,
+    F32E5m2,
+    Bf16E4m3,
+    Bf16E5m2,
+}
+
+impl Pair {
+    /// Element sizes of q/out and of K/V.
+    fn sizes(self) -> (usize, usize) {
+        match self {
+            Pair::F32 => (4, 4),
+            Pair::Bf16 => (2, 2),
+            Pair::F32Bf16 => (4, 2),
+            Pair::F32E4m3 | Pair::F32E5m2 => (4, 1),
+            Pair::Bf16E4m3 | Pair::Bf16E5m2 => (2, 1),
+        }
     }
 }
 
@@ -169,18 +214,18 @@ struct Shape<'a> {
     variant: Variant<'a>,
 }
 
+/// The tensors, the layer's shape and the thread count of one run.
+type RunArgs<'a, 'b> = ([&'a Raw; 3], &'a Raw, Shape<'b>, usize);
+
 /// SAFETY: see `Raw::slice`.
-unsafe fn run<T: Elem>(
+unsafe fn run<T: Elem, K: KvElem>(
     plan: &cpu_attn::DecodePlan,
-    [q, k, v]: [&Raw; 3],
-    out: &Raw,
-    shape: Shape<'_>,
-    num_threads: usize,
+    ([q, k, v], out, shape, num_threads): RunArgs<'_, '_>,
 ) -> Result<(), AttnError> {
     let layer = Layer {
         q: q.slice::<T>(),
-        k: k.slice::<T>(),
-        v: v.slice::<T>(),
+        k: k.slice::<K>(),
+        v: v.slice::<K>(),
         dims: shape.dims,
         scale: shape.scale,
         variant: shape.variant,

@@ -1,7 +1,7 @@
 //! The kernel's two vector primitives (`Isa`: a dot product and `acc += a * x`, plus their
 //! block forms) and the portable versions every instruction set falls back to.
 
-use crate::Elem;
+use crate::KvElem;
 
 const LANES: usize = 16;
 
@@ -9,21 +9,21 @@ const LANES: usize = 16;
 /// at least `d` elements.
 pub(crate) trait Isa: Copy {
     /// SAFETY: the CPU has the features of this instruction set.
-    unsafe fn dot<T: Elem>(self, q: &[f32], key: &[T], d: usize) -> f32;
+    unsafe fn dot<T: KvElem>(self, q: &[f32], key: &[T], d: usize) -> f32;
     /// `acc += a * x`. SAFETY: as `dot`.
-    unsafe fn axpy<T: Elem>(self, acc: &mut [f32], a: f32, x: &[T], d: usize);
+    unsafe fn axpy<T: KvElem>(self, acc: &mut [f32], a: f32, x: &[T], d: usize);
 
     /// `out[t] = q . keys[t]` for a block of key rows (`d` elements each).
     /// SAFETY: as `dot`, and every pointer addresses `d` readable elements.
     #[inline(always)]
-    unsafe fn scores<T: Elem>(self, q: &[f32], keys: &[*const T], out: &mut [f32], d: usize) {
+    unsafe fn scores<T: KvElem>(self, q: &[f32], keys: &[*const T], out: &mut [f32], d: usize) {
         scores_by_dot(self, q, keys, out, d)
     }
 
     /// `acc += sum_t weights[t] * values[t]` over a block of value rows.
     /// SAFETY: as `scores`.
     #[inline(always)]
-    unsafe fn weighted_sum<T: Elem>(
+    unsafe fn weighted_sum<T: KvElem>(
         self,
         acc: &mut [f32],
         weights: &[f32],
@@ -36,7 +36,7 @@ pub(crate) trait Isa: Copy {
 
 /// `Isa::scores` one dot product at a time. SAFETY: as `Isa::scores`.
 #[inline(always)]
-pub(crate) unsafe fn scores_by_dot<T: Elem, I: Isa>(
+pub(crate) unsafe fn scores_by_dot<T: KvElem, I: Isa>(
     isa: I,
     q: &[f32],
     keys: &[*const T],
@@ -50,7 +50,7 @@ pub(crate) unsafe fn scores_by_dot<T: Elem, I: Isa>(
 
 /// `Isa::weighted_sum` one row at a time. SAFETY: as `Isa::weighted_sum`.
 #[inline(always)]
-pub(crate) unsafe fn weighted_sum_by_axpy<T: Elem, I: Isa>(
+pub(crate) unsafe fn weighted_sum_by_axpy<T: KvElem, I: Isa>(
     isa: I,
     acc: &mut [f32],
     weights: &[f32],
@@ -67,17 +67,17 @@ pub(crate) struct Portable;
 
 impl Isa for Portable {
     #[inline(always)]
-    unsafe fn dot<T: Elem>(self, q: &[f32], key: &[T], d: usize) -> f32 {
+    unsafe fn dot<T: KvElem>(self, q: &[f32], key: &[T], d: usize) -> f32 {
         dot(q, key, d)
     }
     #[inline(always)]
-    unsafe fn axpy<T: Elem>(self, acc: &mut [f32], a: f32, x: &[T], d: usize) {
+    unsafe fn axpy<T: KvElem>(self, acc: &mut [f32], a: f32, x: &[T], d: usize) {
         axpy(acc, a, x, d)
     }
 }
 
 #[inline(always)]
-pub(crate) fn dot<T: Elem>(q: &[f32], key: &[T], d: usize) -> f32 {
+pub(crate) fn dot<T: KvElem>(q: &[f32], key: &[T], d: usize) -> f32 {
     let (q, key) = (&q[..d], &key[..d]);
     let mut acc = [0f32; LANES];
     let whole = d - d % LANES;
@@ -104,7 +104,7 @@ pub(crate) fn dot<T: Elem>(q: &[f32], key: &[T], d: usize) -> f32 {
 }
 
 #[inline(always)]
-pub(crate) fn axpy<T: Elem>(acc: &mut [f32], a: f32, x: &[T], d: usize) {
+pub(crate) fn axpy<T: KvElem>(acc: &mut [f32], a: f32, x: &[T], d: usize) {
     for (y, x) in acc[..d].iter_mut().zip(&x[..d]) {
         *y += a * x.to_f32();
     }

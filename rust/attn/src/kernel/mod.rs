@@ -7,11 +7,11 @@
 //! are prefetched (a row's slots are scattered over the pool, which the hardware prefetcher
 //! cannot follow; without it a decode step at 16 x 1,150 tokens took 2x longer).
 
-use crate::{exp, DecodePlan, Dims, Elem, Layer, Variant};
+use crate::{exp, DecodePlan, Dims, Elem, KvElem, Layer, Variant};
 
 mod isa;
 #[cfg(target_arch = "x86_64")]
-mod x86;
+pub(crate) mod x86;
 
 use isa::{Isa, Portable};
 
@@ -34,9 +34,9 @@ unsafe impl<T: Send> Sync for OutPtr<T> {}
 /// SAFETY: `plan.run` checked `p` and `out` against the plan; no other thread writes these
 /// tasks.
 /// `v_row`: the width of `p.v`'s rows (checked by `plan.run`).
-pub(crate) unsafe fn run_tasks<T: Elem>(
+pub(crate) unsafe fn run_tasks<T: Elem, K: KvElem>(
     plan: &DecodePlan,
-    p: &Layer<'_, T>,
+    p: &Layer<'_, T, K>,
     v_row: usize,
     tasks: &[Task],
     out: OutPtr<T>,
@@ -47,9 +47,11 @@ pub(crate) unsafe fn run_tasks<T: Elem>(
             // SAFETY: the CPU has AVX-512F (checked just above).
             return run_avx512(plan, p, v_row, tasks, out);
         }
-        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+        if std::arch::is_x86_feature_detected!("avx2")
+            && std::arch::is_x86_feature_detected!("fma")
+            && std::arch::is_x86_feature_detected!("f16c")
         {
-            // SAFETY: the CPU has AVX2 and FMA (checked just above).
+            // SAFETY: the CPU has AVX2, FMA and F16C (checked just above).
             return run_avx2(plan, p, v_row, tasks, out);
         }
     }
@@ -58,9 +60,9 @@ pub(crate) unsafe fn run_tasks<T: Elem>(
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn run_avx512<T: Elem>(
+unsafe fn run_avx512<T: Elem, K: KvElem>(
     plan: &DecodePlan,
-    p: &Layer<'_, T>,
+    p: &Layer<'_, T, K>,
     v_row: usize,
     tasks: &[Task],
     out: OutPtr<T>,
@@ -69,10 +71,10 @@ unsafe fn run_avx512<T: Elem>(
 }
 
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn run_avx2<T: Elem>(
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn run_avx2<T: Elem, K: KvElem>(
     plan: &DecodePlan,
-    p: &Layer<'_, T>,
+    p: &Layer<'_, T, K>,
     v_row: usize,
     tasks: &[Task],
     out: OutPtr<T>,
@@ -82,9 +84,9 @@ unsafe fn run_avx2<T: Elem>(
 
 /// SAFETY: as `run_tasks`, and the CPU has the features `isa` needs.
 #[inline(always)]
-unsafe fn dispatch_dim<T: Elem, I: Isa>(
+unsafe fn dispatch_dim<T: Elem, K: KvElem, I: Isa>(
     plan: &DecodePlan,
-    p: &Layer<'_, T>,
+    p: &Layer<'_, T, K>,
     v_row: usize,
     tasks: &[Task],
     out: OutPtr<T>,
@@ -185,9 +187,9 @@ fn row_ptrs<T>(
 /// v_dim)`: the key and value head widths (constants in the common cases).
 /// SAFETY: as `run_tasks`, and the CPU has the features `isa` needs.
 #[inline(always)]
-unsafe fn run_body<T: Elem, H: HeadDim, V: HeadDim, I: Isa>(
+unsafe fn run_body<T: Elem, K: KvElem, H: HeadDim, V: HeadDim, I: Isa>(
     plan: &DecodePlan,
-    p: &Layer<'_, T>,
+    p: &Layer<'_, T, K>,
     v_row: usize,
     tasks: &[Task],
     out: OutPtr<T>,
@@ -208,7 +210,7 @@ unsafe fn run_body<T: Elem, H: HeadDim, V: HeadDim, I: Isa>(
     let mut sums: Vec<f32> = Vec::new();
     let mut scores: Vec<f32> = Vec::new();
     let mut offsets: Vec<usize> = Vec::new();
-    let mut ptrs = [std::ptr::null::<T>(); BLOCK];
+    let mut ptrs = [std::ptr::null::<K>(); BLOCK];
     for task in tasks {
         let Group { members, shared } = &plan.groups[task.group as usize];
         let (h, shared) = (task.head as usize, *shared);

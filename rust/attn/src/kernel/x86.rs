@@ -1,10 +1,10 @@
 //! AVX-512 and AVX2 forms of the kernel's dot product and value accumulation (the compiler
-//! turns the portable loops into 2-lane pieces). bfloat16 is widened to f32 on load.
+//! turns the portable loops into 2-lane pieces). bfloat16 and fp8 are widened to f32 on load.
 
 use std::arch::x86_64::*;
 
 use super::isa::{axpy, dot, scores_by_dot, weighted_sum_by_axpy, Isa};
-use crate::Elem;
+use crate::{Kind, KvElem};
 
 #[derive(Clone, Copy)]
 pub(crate) struct Avx512;
@@ -14,7 +14,7 @@ pub(crate) struct Avx2;
 
 impl Isa for Avx512 {
     #[inline(always)]
-    unsafe fn dot<T: Elem>(self, q: &[f32], key: &[T], d: usize) -> f32 {
+    unsafe fn dot<T: KvElem>(self, q: &[f32], key: &[T], d: usize) -> f32 {
         if !d.is_multiple_of(16) {
             return dot(q, key, d);
         }
@@ -22,7 +22,7 @@ impl Isa for Avx512 {
         dot512(q.as_ptr(), key.as_ptr(), d)
     }
     #[inline(always)]
-    unsafe fn axpy<T: Elem>(self, acc: &mut [f32], a: f32, x: &[T], d: usize) {
+    unsafe fn axpy<T: KvElem>(self, acc: &mut [f32], a: f32, x: &[T], d: usize) {
         if !d.is_multiple_of(16) {
             return axpy(acc, a, x, d);
         }
@@ -30,14 +30,14 @@ impl Isa for Avx512 {
         axpy512(acc.as_mut_ptr(), a, x.as_ptr(), d)
     }
     #[inline(always)]
-    unsafe fn scores<T: Elem>(self, q: &[f32], keys: &[*const T], out: &mut [f32], d: usize) {
+    unsafe fn scores<T: KvElem>(self, q: &[f32], keys: &[*const T], out: &mut [f32], d: usize) {
         if keys.len() != 16 || !d.is_multiple_of(16) || out.len() < 16 {
             return scores_by_dot(self, q, keys, out, d);
         }
         scores16(q[..d].as_ptr(), keys, out.as_mut_ptr(), d)
     }
     #[inline(always)]
-    unsafe fn weighted_sum<T: Elem>(
+    unsafe fn weighted_sum<T: KvElem>(
         self,
         acc: &mut [f32],
         weights: &[f32],
@@ -54,7 +54,7 @@ impl Isa for Avx512 {
 
 impl Isa for Avx2 {
     #[inline(always)]
-    unsafe fn dot<T: Elem>(self, q: &[f32], key: &[T], d: usize) -> f32 {
+    unsafe fn dot<T: KvElem>(self, q: &[f32], key: &[T], d: usize) -> f32 {
         if !d.is_multiple_of(8) {
             return dot(q, key, d);
         }
@@ -62,7 +62,7 @@ impl Isa for Avx2 {
         dot256(q.as_ptr(), key.as_ptr(), d)
     }
     #[inline(always)]
-    unsafe fn axpy<T: Elem>(self, acc: &mut [f32], a: f32, x: &[T], d: usize) {
+    unsafe fn axpy<T: KvElem>(self, acc: &mut [f32], a: f32, x: &[T], d: usize) {
         if !d.is_multiple_of(8) {
             return axpy(acc, a, x, d);
         }
@@ -71,21 +71,37 @@ impl Isa for Avx2 {
     }
 }
 
+/// Sixteen elements at `p` as f32. fp8 widens through f16 (exact): e5m2 is an f16's top
+/// byte; e4m3's sign and 7 other bits placed in an f16 give its value / 256 (subnormals
+/// included), and its one NaN pattern is set apart.
 #[target_feature(enable = "avx512f")]
 #[inline]
-unsafe fn load16<T: Elem>(p: *const T) -> __m512 {
-    if T::IS_BF16 {
-        let half = _mm256_loadu_si256(p as *const __m256i);
-        _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(half)))
-    } else {
-        _mm512_loadu_ps(p as *const f32)
+pub(crate) unsafe fn load16<T: KvElem>(p: *const T) -> __m512 {
+    match T::KIND {
+        Kind::F32 => _mm512_loadu_ps(p as *const f32),
+        Kind::Bf16 => {
+            let half = _mm256_loadu_si256(p as *const __m256i);
+            _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(half)))
+        }
+        Kind::E5m2 | Kind::E4m3 => {
+            let bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128(p as *const __m128i));
+            if T::KIND == Kind::E5m2 {
+                return _mm512_cvtph_ps(_mm256_slli_epi16::<8>(bytes));
+            }
+            let rest = _mm256_and_si256(bytes, _mm256_set1_epi16(0x7f));
+            let sign = _mm256_slli_epi16::<8>(_mm256_and_si256(bytes, _mm256_set1_epi16(0x80)));
+            let half = _mm256_or_si256(sign, _mm256_slli_epi16::<7>(rest));
+            let nan = _mm256_cmpeq_epi16(rest, _mm256_set1_epi16(0x7f));
+            let half = _mm256_blendv_epi8(half, _mm256_set1_epi16(0x7e00), nan);
+            _mm512_mul_ps(_mm512_cvtph_ps(half), _mm512_set1_ps(256.0))
+        }
     }
 }
 
 /// SAFETY: `d` (a multiple of 16) elements readable at `q` and `k`.
 #[target_feature(enable = "avx512f")]
 #[inline]
-unsafe fn dot512<T: Elem>(q: *const f32, k: *const T, d: usize) -> f32 {
+unsafe fn dot512<T: KvElem>(q: *const f32, k: *const T, d: usize) -> f32 {
     let mut acc = _mm512_setzero_ps();
     let mut c = 0;
     while c < d {
@@ -98,7 +114,7 @@ unsafe fn dot512<T: Elem>(q: *const f32, k: *const T, d: usize) -> f32 {
 /// SAFETY: `d` (a multiple of 16) elements at `acc` (written) and `x` (read).
 #[target_feature(enable = "avx512f")]
 #[inline]
-unsafe fn axpy512<T: Elem>(acc: *mut f32, a: f32, x: *const T, d: usize) {
+unsafe fn axpy512<T: KvElem>(acc: *mut f32, a: f32, x: *const T, d: usize) {
     let a = _mm512_set1_ps(a);
     let mut c = 0;
     while c < d {
@@ -108,21 +124,35 @@ unsafe fn axpy512<T: Elem>(acc: *mut f32, a: f32, x: *const T, d: usize) {
     }
 }
 
-#[target_feature(enable = "avx2,fma")]
+/// Eight elements at `p` as f32 (fp8 as in `load16`).
+#[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-unsafe fn load8<T: Elem>(p: *const T) -> __m256 {
-    if T::IS_BF16 {
-        let half = _mm_loadu_si128(p as *const __m128i);
-        _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(half)))
-    } else {
-        _mm256_loadu_ps(p as *const f32)
+pub(crate) unsafe fn load8<T: KvElem>(p: *const T) -> __m256 {
+    match T::KIND {
+        Kind::F32 => _mm256_loadu_ps(p as *const f32),
+        Kind::Bf16 => {
+            let half = _mm_loadu_si128(p as *const __m128i);
+            _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(half)))
+        }
+        Kind::E5m2 | Kind::E4m3 => {
+            let bytes = _mm_cvtepu8_epi16(_mm_loadl_epi64(p as *const __m128i));
+            if T::KIND == Kind::E5m2 {
+                return _mm256_cvtph_ps(_mm_slli_epi16::<8>(bytes));
+            }
+            let rest = _mm_and_si128(bytes, _mm_set1_epi16(0x7f));
+            let sign = _mm_slli_epi16::<8>(_mm_and_si128(bytes, _mm_set1_epi16(0x80)));
+            let half = _mm_or_si128(sign, _mm_slli_epi16::<7>(rest));
+            let nan = _mm_cmpeq_epi16(rest, _mm_set1_epi16(0x7f));
+            let half = _mm_blendv_epi8(half, _mm_set1_epi16(0x7e00), nan);
+            _mm256_mul_ps(_mm256_cvtph_ps(half), _mm256_set1_ps(256.0))
+        }
     }
 }
 
 /// SAFETY: `d` (a multiple of 8) elements readable at `q` and `k`.
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-unsafe fn dot256<T: Elem>(q: *const f32, k: *const T, d: usize) -> f32 {
+unsafe fn dot256<T: KvElem>(q: *const f32, k: *const T, d: usize) -> f32 {
     let mut acc = _mm256_setzero_ps();
     let mut c = 0;
     while c < d {
@@ -135,9 +165,9 @@ unsafe fn dot256<T: Elem>(q: *const f32, k: *const T, d: usize) -> f32 {
 }
 
 /// SAFETY: `d` (a multiple of 8) elements at `acc` (written) and `x` (read).
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-unsafe fn axpy256<T: Elem>(acc: *mut f32, a: f32, x: *const T, d: usize) {
+unsafe fn axpy256<T: KvElem>(acc: *mut f32, a: f32, x: *const T, d: usize) {
     let a = _mm256_set1_ps(a);
     let mut c = 0;
     while c < d {
@@ -153,7 +183,7 @@ unsafe fn axpy256<T: Elem>(acc: *mut f32, a: f32, x: *const T, d: usize) {
 /// SAFETY: `d` (a multiple of 16) elements at `q` and at every key; 16 writable at `out`.
 #[target_feature(enable = "avx512f")]
 #[inline]
-unsafe fn scores16<T: Elem>(q: *const f32, keys: &[*const T], out: *mut f32, d: usize) {
+unsafe fn scores16<T: KvElem>(q: *const f32, keys: &[*const T], out: *mut f32, d: usize) {
     let mut acc = [_mm512_setzero_ps(); 16];
     let mut c = 0;
     while c < d {
@@ -201,7 +231,12 @@ unsafe fn transpose_sum16(v: [__m512; 16]) -> __m512 {
 /// SAFETY: `d` (a multiple of 16) elements at `acc` and at every value row.
 #[target_feature(enable = "avx512f")]
 #[inline]
-unsafe fn weighted_sum512<T: Elem>(acc: *mut f32, weights: &[f32], values: &[*const T], d: usize) {
+unsafe fn weighted_sum512<T: KvElem>(
+    acc: *mut f32,
+    weights: &[f32],
+    values: &[*const T],
+    d: usize,
+) {
     let mut c = 0;
     while c + 64 <= d {
         let mut a = [

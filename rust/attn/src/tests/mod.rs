@@ -299,6 +299,7 @@ fn exp_is_accurate_on_the_softmax_range() {
     assert!(exp::exp_nonpositive(-1000.0) > 0.0);
 }
 
+mod fp8;
 mod ops;
 mod plan;
 mod variants;
