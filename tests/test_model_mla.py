@@ -183,7 +183,7 @@ def test_pool_log_line_shows_mla_bytes(model_dir, caplog):
         runner = ModelRunner(model_dir("v3"), device="cpu", max_total_tokens=256)
     # 3 layers x (32 + 8) fp32 dims; MHA: 3 layers x 4 heads x (24 + 24) dims
     line = next(r.getMessage() for r in caplog.records if "B/token" in r.getMessage())
-    assert "KV pool: 256 tokens, 480 B/token (MLA latent 32 + rope 8; MHA would need " in line
+    assert "KV pool: 256 tokens of float32, 480 B/token (MLA latent 32 + rope 8; MHA would need " in line
     assert "2,304 B/token" in line
     assert runner.kv_pool.memory_bytes() == (256 + 1) * 480
 
