@@ -9,7 +9,7 @@ equal to `transformers.generate`; chunked prefill; a warm prefix equal to the co
 a decode row of a mixed batch); the real scheduler (both loops, both tree cores, chunking,
 eviction, retraction in a pool that barely fits); HiCache (host tier loads equal to a
 device-only run, a file tier read by a second scheduler); tensor parallelism (2 ranks equal
-to 1). A config with mixture-of-experts layers is refused by name.
+to 1). Their mixture-of-experts layers: tests/test_model_deepseek_moe.py.
 """
 
 from __future__ import annotations
@@ -188,24 +188,7 @@ def test_pool_log_line_shows_mla_bytes(model_dir, caplog):
     assert runner.kv_pool.memory_bytes() == (256 + 1) * 480
 
 
-# ---------------------------------------------------------------- config refusals
-
-
-def _config(arch: str, **fields):
-    from fixtures.tiny_models import tiny_config
-    from sglite.models.model_config import ModelConfig
-
-    return ModelConfig.from_hf(tiny_config(arch, config=fields))
-
-
-@pytest.mark.parametrize("arch", ["deepseek_v2", "deepseek_v3"])
-def test_moe_layers_are_refused_by_name(arch):
-    from sglite.models.registry import get_model_class
-
-    cfg = _config(arch, first_k_dense_replace=1)
-    with pytest.raises(ValueError, match=r"first_k_dense_replace=1 .*layers 1\.\.2 of 3 are "
-                       r"mixture-of-experts"):  # fmt: skip
-        get_model_class(cfg.architecture)(cfg, dtype=torch.float32)
+# ---------------------------------------------------------------- registry and loading
 
 
 def test_architectures_registered_by_their_hf_names():

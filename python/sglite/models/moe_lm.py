@@ -137,9 +137,9 @@ def deepseek_moe_spec(
     """DeepSeek-V2 / V2-Lite / V3 (and configs of their shape). `topk_method` and
     `scoring_func` are the defaults for a config without them (transformers' V3 config
     class has neither: pass noaux_tc and sigmoid, what it always runs). The gate runs in
-    float32. `norm_topk_prob` divides the k weights by their sum (only with k > 1), then
-    every weight is scaled by `routed_scaling_factor`, as V3 does; V2's checkpoints have
-    norm_topk_prob false, where V2's order (scale only when not normalised) is the same."""
+    float32. `norm_topk_prob` divides the k weights by their sum, then every weight is
+    scaled by `routed_scaling_factor`, as V3 does (sglite.models.deepseek_v2 refuses it
+    for V2, whose two references disagree on it)."""
     num, top_k, size = _experts(f, "n_routed_experts", "moe_intermediate_size")
     method = f.get("topk_method", topk_method)
     if method not in _DEEPSEEK_METHODS:
@@ -156,7 +156,7 @@ def deepseek_moe_spec(
         num,
         top_k,
         scoring=scoring,
-        renormalize=bool(f.get("norm_topk_prob", False)) and top_k > 1,
+        renormalize=bool(f.get("norm_topk_prob", False)),
         correction_bias=corrected,
         scaling_factor=float(f.get("routed_scaling_factor", 1.0)),
         fp32_gate=True,
