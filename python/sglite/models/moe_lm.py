@@ -24,7 +24,14 @@ from collections.abc import Callable
 
 import torch
 
-from sglite.layers.moe import ExpertsSpec, MoESpec, RouterSpec, SharedExpertSpec, moe_layer_schedule
+from sglite.layers.moe import (
+    ExpertsSpec,
+    FusedExperts,
+    MoESpec,
+    RouterSpec,
+    SharedExpertSpec,
+    moe_layer_schedule,
+)
 from sglite.models.causal_lm import DecoderForCausalLM
 from sglite.models.decoder_spec import ConfigFields
 
@@ -48,10 +55,25 @@ def expert_target(name: str) -> tuple[str, tuple[int, str] | None] | None:
 
 
 class MoeForCausalLM(DecoderForCausalLM):
-    """A decoder whose spec has `moe`; routed-expert tensors map onto the stacked weights."""
+    """A decoder whose spec has `moe`; routed-expert tensors map onto the stacked weights,
+    and under expert parallelism another rank's per-expert tensors are skipped unread."""
+
+    def _renamed(self, name: str) -> str:
+        return ".".join(self.renames.get(part, part) for part in name.split("."))
+
+    @functools.cached_property
+    def _experts_at(self) -> dict[str, FusedExperts]:
+        return {n: m for n, m in self.named_modules() if isinstance(m, FusedExperts)}
+
+    def skips_tensor(self, name: str) -> bool:
+        m = _PER_EXPERT.match(self._renamed(name))
+        if m is None:
+            return False
+        experts = self._experts_at.get(m.group(1))
+        return experts is not None and not experts.shard.is_local(int(m.group(2)))
 
     def checkpoint_targets(self, name: str, tensor: torch.Tensor):
-        renamed = ".".join(self.renames.get(part, part) for part in name.split("."))
+        renamed = self._renamed(name)
         target = expert_target(renamed)
         if target is not None:
             return [(*target, tensor)]
