@@ -83,6 +83,16 @@ def pool_bytes(name: str) -> dict:
             "mha_bytes_per_token": mha, "ratio": mha / mla}  # fmt: skip
 
 
+def print_pool_bytes() -> list[dict]:
+    """pool_bytes of every SHAPES model, printed as a table (bench_moe.py prints it too)."""
+    memory = [pool_bytes(name) for name in SHAPES]
+    print(f"{'model':18} {'layers':>6} {'MLA B/token':>12} {'MHA B/token':>12} {'ratio':>6}")
+    for m in memory:
+        print(f"{m['model']:18} {m['layers']:6d} {m['mla_bytes_per_token']:12,d} "
+              f"{m['mha_bytes_per_token']:12,d} {m['ratio']:6.1f}")  # fmt: skip
+    return memory
+
+
 class _Setup:
     """One layer's latent pool filled for `batch` requests of `context` tokens, a decode batch."""
 
@@ -188,11 +198,7 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--out", default="bench_results/bench_mla.json")
     args = parser.parse_args()
-    memory = [pool_bytes(name) for name in SHAPES]
-    print(f"{'model':18} {'layers':>6} {'MLA B/token':>12} {'MHA B/token':>12} {'ratio':>6}")
-    for m in memory:
-        print(f"{m['model']:18} {m['layers']:6d} {m['mla_bytes_per_token']:12,d} "
-              f"{m['mha_bytes_per_token']:12,d} {m['ratio']:6.1f}")  # fmt: skip
+    memory = print_pool_bytes()
     times = decode_times(args.contexts, args.batch, args.iters)
     print(f"\ndecode step, one V2-Lite attention layer, fp32, {torch.get_num_threads()} threads")
     head = f"{'context':>8} {'batch':>5} {'absorbed ms':>12} {'expanded ms':>12} {'speed-up':>8}"

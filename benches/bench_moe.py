@@ -17,7 +17,8 @@ Per-token times: decode step / batch at batch 1 and 32 (median step, 32-token pr
 and a 512-token prefill / 512. Best of --repeats after a warm-up. Then one layer at batch
 1: the MoE block's forward against only the matmuls of its 4 chosen experts (what a native
 kernel that skips the routing and grouping could at best reach) and the dense MLP.
-Writes bench_results/bench_moe.json.
+Last, the KV pool's bytes per token of DeepSeek's latent attention vs what MHA would
+need (benches/bench_mla.py's table). Writes bench_results/bench_moe.json.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from bench_mla import print_pool_bytes  # benches/ is the script's directory
 from sglite.bench_one_batch import run_one_batch
 from sglite.layers.moe import FusedExperts, SparseMoeBlock
 from sglite.layers.moe.fused_cpu import naive_forward
@@ -181,6 +183,8 @@ def main() -> None:
         + "; fused / dense "
         + ", ".join(f"{k.split('_ms')[0]} {f[k] / d[k]:.2f}" for k in keys)
     )
+    print("\nKV pool, bf16, DeepSeek shapes (benches/bench_mla.py):")
+    memory = print_pool_bytes()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = dict(
@@ -197,6 +201,7 @@ def main() -> None:
                 "torch": torch.__version__,
                 "ms_per_token": rows,
                 "one_layer_bs1_ms": layer,
+                "mla_pool_bytes_per_token": memory,
             },
             indent=2,
         )

@@ -9,7 +9,7 @@ equal to `transformers.generate`; chunked prefill; a warm prefix equal to the co
 a decode row of a mixed batch); the real scheduler (both loops, both tree cores, chunking,
 eviction, retraction in a pool that barely fits); HiCache (host tier loads equal to a
 device-only run, a file tier read by a second scheduler); tensor parallelism (2 ranks equal
-to 1). A config with mixture-of-experts layers is refused by name.
+to 1). Their mixture-of-experts layers: tests/test_model_deepseek_moe.py.
 """
 
 from __future__ import annotations
@@ -183,29 +183,15 @@ def test_pool_log_line_shows_mla_bytes(model_dir, caplog):
         runner = ModelRunner(model_dir("v3"), device="cpu", max_total_tokens=256)
     # 3 layers x (32 + 8) fp32 dims; MHA: 3 layers x 4 heads x (24 + 24) dims
     line = next(r.getMessage() for r in caplog.records if "B/token" in r.getMessage())
-    assert "KV pool: 256 tokens of float32, 480 B/token (MLA latent 32 + rope 8; MHA would need " in line
+    assert (
+        "KV pool: 256 tokens of float32, 480 B/token (MLA latent 32 + rope 8; MHA would need "
+        in line
+    )
     assert "2,304 B/token" in line
     assert runner.kv_pool.memory_bytes() == (256 + 1) * 480
 
 
-# ---------------------------------------------------------------- config refusals
-
-
-def _config(arch: str, **fields):
-    from fixtures.tiny_models import tiny_config
-    from sglite.models.model_config import ModelConfig
-
-    return ModelConfig.from_hf(tiny_config(arch, config=fields))
-
-
-@pytest.mark.parametrize("arch", ["deepseek_v2", "deepseek_v3"])
-def test_moe_layers_are_refused_by_name(arch):
-    from sglite.models.registry import get_model_class
-
-    cfg = _config(arch, first_k_dense_replace=1)
-    with pytest.raises(ValueError, match=r"first_k_dense_replace=1 .*layers 1\.\.2 of 3 are "
-                       r"mixture-of-experts"):  # fmt: skip
-        get_model_class(cfg.architecture)(cfg, dtype=torch.float32)
+# ---------------------------------------------------------------- registry and loading
 
 
 def test_architectures_registered_by_their_hf_names():

@@ -31,6 +31,11 @@ def build_parser(prog: str = "sglite serve") -> argparse.ArgumentParser:
         parser.add_argument(
             alias, dest="dp_size", type=int, default=argparse.SUPPRESS, help=argparse.SUPPRESS
         )
+    # and of --ep-size
+    for alias in ("--ep", "--expert-parallel-size"):
+        parser.add_argument(
+            alias, dest="ep_size", type=int, default=argparse.SUPPRESS, help=argparse.SUPPRESS
+        )
     # SGLang's short spelling of --enable-hierarchical-cache
     parser.add_argument(
         "--enable-hicache",

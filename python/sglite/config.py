@@ -161,6 +161,11 @@ class ServerArgs(FrontDoorArgs):
         "Tensor-parallel ranks: N scheduler processes split every layer (gloo on CPU, NCCL "
         "on CUDA, one GPU per rank); N must divide the heads (start-up names the sizes).",
     )
+    ep_size: int = _f(
+        1,
+        "Expert-parallel groups (dividing --tp-size): each group of tp/ep ranks holds 1/N of "
+        "every MoE layer's experts, split among them; attention stays tensor-parallel.",
+    )
     nnodes: int = _f(1, "Machines the --tp-size ranks are spread over (tp-size/nnodes each).")
     node_rank: int = _f(
         0, "This machine among --nnodes: 0 runs the HTTP server, node k only its TP ranks."

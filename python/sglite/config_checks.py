@@ -22,6 +22,9 @@ def check_tensor_parallel(args: ServerArgs, bad: Bad) -> None:
     # whether tp_size splits the model is checked where the model config is read
     if args.tp_size < 1:
         bad("tp_size", f"must be >= 1, got {args.tp_size}")
+    # whether ep_size divides the experts is checked where the model is built
+    if args.ep_size < 1 or args.tp_size % args.ep_size:
+        bad("ep_size", f"must divide --tp-size {args.tp_size}, got {args.ep_size}")
     if args.tp_size > 1 and args.dp_size > 1:
         bad("dp_size", "cannot be combined with --tp-size > 1 yet; use one of the two")
     if args.nnodes < 1:

@@ -20,8 +20,6 @@ UNSUPPORTED: dict[str, str] = {
     "--enable-dp-attention": "data-parallel attention",
     "--pp-size": "pipeline parallelism",
     "--pipeline-parallel-size": "pipeline parallelism",
-    "--ep-size": "expert parallelism",
-    "--expert-parallel-size": "expert parallelism",
     "--lora-paths": "LoRA adapters",
     "--enable-lora": "LoRA adapters",
     "--max-lora-rank": "LoRA adapters",
@@ -42,8 +40,6 @@ NO_OP_VALUES: dict[str, frozenset[str]] = {
         for flag in (
             "--pp-size",
             "--pipeline-parallel-size",
-            "--ep-size",
-            "--expert-parallel-size",
         )
     },  # fmt: skip
 }

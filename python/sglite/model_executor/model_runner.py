@@ -24,6 +24,8 @@ listens there; `dist_timeout` seconds to rendezvous), loads its shard of the wei
 builds a KV pool of its own KV heads (MLA's latent pool: the same on every rank), sized to
 the smallest budget of any rank. CUDA decode
 graphs are off under TP for now. Every rank's forward returns the same full logits.
+Expert parallelism (`ep_size` > 1, dividing tp_size): each MoE layer's experts split over
+ep_size groups of ranks (sglite.layers.moe.experts), each rank reading only its experts.
 Sampling: rank 0 samples and broadcasts its tokens, so every rank returns rank 0's tokens
 (even for unseeded requests, which draw from torch's RNG, whose state may differ by rank).
 """
@@ -126,6 +128,7 @@ class ModelRunner:
         trust_remote_code: bool = False,
         tp_size: int = 1,
         tp_rank: int = 0,
+        ep_size: int = 1,
         dist_init_addr: str | None = None,
         dist_timeout: float | None = None,
     ) -> None:
@@ -165,6 +168,7 @@ class ModelRunner:
             dtype=self.dtype,
             device=self.device,
             tp_group=self.tp_group,
+            ep_size=ep_size,
         )
         if self.device.type == "cpu":
             logger.info("packing the linear weights for oneDNN")

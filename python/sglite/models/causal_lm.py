@@ -71,6 +71,24 @@ def _check(config: ModelConfig, spec: DecoderSpec) -> None:
             )
 
 
+def _check_ep(config: ModelConfig, spec: DecoderSpec, tp_size: int, ep_size: int) -> None:
+    if ep_size == 1:
+        return
+    arch, moe = config.architecture, spec.moe
+    if moe is None:
+        raise ValueError(f"--ep-size {ep_size}: {arch} has no mixture-of-experts layers")
+    if ep_size < 1 or tp_size % ep_size:
+        raise ValueError(f"--ep-size {ep_size}: must divide --tp-size {tp_size}")
+    num, size, inner = moe.experts.num_experts, moe.experts.intermediate_size, tp_size // ep_size
+    if num % ep_size:
+        raise ValueError(f"--ep-size {ep_size}: does not divide {arch}'s {num} experts")
+    if size % inner:
+        raise ValueError(
+            f"--ep-size {ep_size}: {arch}'s experts are {size} wide, which the --tp-size "
+            f"{tp_size} / --ep-size {ep_size} = {inner} ranks of each expert group cannot split"
+        )
+
+
 class DecoderForCausalLM(nn.Module):
     renames: ClassVar[dict[str, str]] = {}
     # checkpoint tensors that are not weights (buffers some checkpoints carry)
@@ -87,14 +105,17 @@ class DecoderForCausalLM(nn.Module):
         dtype: torch.dtype,
         device: torch.device | None = None,
         tp_group: TPGroup = NULL_TP_GROUP,
+        ep_size: int = 1,
     ) -> None:
-        """With `tp_group` of size > 1 the model holds this rank's shard (see layers.linear)."""
+        """With `tp_group` of size > 1 the model holds this rank's shard (see layers.linear);
+        with `ep_size` > 1 (dividing it) 1/ep_size of each MoE layer's experts."""
         super().__init__()
         spec = self.decoder_spec(ConfigFields(config))
         _check(config, spec)
+        _check_ep(config, spec, tp_group.size, ep_size)
         self.config, self.spec = config, spec
         attention_cls = DecoderAttention if spec.mla is None else DecoderMLAttention
-        build = Build(config, spec, dtype, device, tp_group)
+        build = Build(config, spec, dtype, device, tp_group, ep_size)
         self.model = DecoderModel(build, attention_cls, self.mlp_for_layer)
         self.lm_head = ParallelLMHead(
             config.vocab_size,
@@ -115,8 +136,12 @@ class DecoderForCausalLM(nn.Module):
         (sglite.layers.moe), else dense (unless a family says otherwise)."""
         moe = b.spec.moe
         if moe is not None and moe.is_sparse(layer_id):
-            return SparseMoeBlock(moe, b.config.hidden_size, **b.kw)
+            return SparseMoeBlock(moe, b.config.hidden_size, **b.kw, ep_size=b.ep_size)
         return dense_mlp(b, layer_id)
+
+    def skips_tensor(self, name: str) -> bool:
+        """Whether checkpoint tensor `name` has no place on this rank (so is never read)."""
+        return False
 
     def kv_layout(self) -> MHALayout | MLALayout:
         """What the KV pool stores per token for this model (this rank's share)."""

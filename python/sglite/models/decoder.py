@@ -50,6 +50,7 @@ class Build:
     dtype: torch.dtype
     device: torch.device | None = None
     tp_group: TPGroup = NULL_TP_GROUP
+    ep_size: int = 1  # MoE layers: expert-parallel groups (sglite.layers.moe.experts)
 
     @property
     def kw(self) -> dict:

@@ -9,7 +9,9 @@ server resolves repo ids and converts .gguf files once, in its main process
 Weights load with a progress bar over the checkpoint's tensors, then the load time is logged.
 Under tensor parallelism each rank reads the checkpoint itself and its layers' weight
 loaders narrow every tensor to the rank's shard: one full tensor at a time is in memory
-beside the rank's shard of the model, never a full copy of the model.
+beside the rank's shard of the model, never a full copy of the model. Under expert
+parallelism a rank does not read the per-expert tensors of other ranks' experts at all
+(`skips_tensor`; a fused `[E, ...]` expert tensor is read whole, then narrowed).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -72,8 +74,11 @@ def safetensors_files(path: Path) -> list[Path]:
     return files
 
 
-def iter_weights(path: Path, progress: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every (name, tensor) of the checkpoint; with `progress`, a progress bar over the
+def iter_weights(
+    path: Path, progress: bool = False, skip: Callable[[str], bool] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every (name, tensor) of the checkpoint but those `skip(name)` is true of (never read:
+    another expert-parallel rank's experts); with `progress`, a progress bar over the
     tensors (on stderr) that names the shard being read."""
     from safetensors import safe_open
     from tqdm import tqdm
@@ -98,7 +103,8 @@ def iter_weights(path: Path, progress: bool = False) -> Iterator[tuple[str, torc
             bar.set_postfix_str(f"shard {i + 1}/{len(files)}", refresh=False)
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                    yield name, f.get_tensor(name)
+                    if skip is None or not skip(name):
+                        yield name, f.get_tensor(name)
                     bar.update(1)
 
 
@@ -109,13 +115,16 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device,
     tp_group: TPGroup = NULL_TP_GROUP,
+    ep_size: int = 1,
 ) -> nn.Module:
     """Instantiate the registered class for `config.architecture` and load its weights
-    (this rank's shard of them when `tp_group` has more than one rank)."""
+    (this rank's shard of them when `tp_group` has more than one rank; with `ep_size` > 1,
+    only this rank's experts are read)."""
     start = time.perf_counter()
     model_cls = get_model_class(config.architecture)
-    model = model_cls(config, dtype=dtype, device=device, tp_group=tp_group)
-    model.load_weights(iter_weights(path, progress=tp_group.rank == 0))
+    model = model_cls(config, dtype=dtype, device=device, tp_group=tp_group, ep_size=ep_size)
+    weights = iter_weights(path, progress=tp_group.rank == 0, skip=model.skips_tensor)
+    model.load_weights(weights)
     model.eval()
     logger.info(
         "loaded the weights (%s, %s) in %.1f s",

@@ -24,7 +24,14 @@ from collections.abc import Callable
 
 import torch
 
-from sglite.layers.moe import ExpertsSpec, MoESpec, RouterSpec, SharedExpertSpec, moe_layer_schedule
+from sglite.layers.moe import (
+    ExpertsSpec,
+    FusedExperts,
+    MoESpec,
+    RouterSpec,
+    SharedExpertSpec,
+    moe_layer_schedule,
+)
 from sglite.models.causal_lm import DecoderForCausalLM
 from sglite.models.decoder_spec import ConfigFields
 
@@ -48,10 +55,25 @@ def expert_target(name: str) -> tuple[str, tuple[int, str] | None] | None:
 
 
 class MoeForCausalLM(DecoderForCausalLM):
-    """A decoder whose spec has `moe`; routed-expert tensors map onto the stacked weights."""
+    """A decoder whose spec has `moe`; routed-expert tensors map onto the stacked weights,
+    and under expert parallelism another rank's per-expert tensors are skipped unread."""
+
+    def _renamed(self, name: str) -> str:
+        return ".".join(self.renames.get(part, part) for part in name.split("."))
+
+    @functools.cached_property
+    def _experts_at(self) -> dict[str, FusedExperts]:
+        return {n: m for n, m in self.named_modules() if isinstance(m, FusedExperts)}
+
+    def skips_tensor(self, name: str) -> bool:
+        m = _PER_EXPERT.match(self._renamed(name))
+        if m is None:
+            return False
+        experts = self._experts_at.get(m.group(1))
+        return experts is not None and not experts.shard.is_local(int(m.group(2)))
 
     def checkpoint_targets(self, name: str, tensor: torch.Tensor):
-        renamed = ".".join(self.renames.get(part, part) for part in name.split("."))
+        renamed = self._renamed(name)
         target = expert_target(renamed)
         if target is not None:
             return [(*target, tensor)]
@@ -137,9 +159,9 @@ def deepseek_moe_spec(
     """DeepSeek-V2 / V2-Lite / V3 (and configs of their shape). `topk_method` and
     `scoring_func` are the defaults for a config without them (transformers' V3 config
     class has neither: pass noaux_tc and sigmoid, what it always runs). The gate runs in
-    float32. `norm_topk_prob` divides the k weights by their sum (only with k > 1), then
-    every weight is scaled by `routed_scaling_factor`, as V3 does; V2's checkpoints have
-    norm_topk_prob false, where V2's order (scale only when not normalised) is the same."""
+    float32. `norm_topk_prob` divides the k weights by their sum, then every weight is
+    scaled by `routed_scaling_factor`, as V3 does (sglite.models.deepseek_v2 refuses it
+    for V2, whose two references disagree on it)."""
     num, top_k, size = _experts(f, "n_routed_experts", "moe_intermediate_size")
     method = f.get("topk_method", topk_method)
     if method not in _DEEPSEEK_METHODS:
@@ -156,7 +178,7 @@ def deepseek_moe_spec(
         num,
         top_k,
         scoring=scoring,
-        renormalize=bool(f.get("norm_topk_prob", False)) and top_k > 1,
+        renormalize=bool(f.get("norm_topk_prob", False)),
         correction_bias=corrected,
         scaling_factor=float(f.get("routed_scaling_factor", 1.0)),
         fp32_gate=True,

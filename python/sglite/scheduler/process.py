@@ -123,6 +123,7 @@ def build_scheduler(
         trust_remote_code=args.trust_remote_code,
         tp_size=args.tp_size,
         tp_rank=tp_rank,
+        ep_size=args.ep_size,
         dist_init_addr=args.dist_init_addr,
         dist_timeout=args.dist_timeout,
     )
