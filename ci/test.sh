@@ -12,4 +12,4 @@ cargo clippy --workspace --all-targets -- -D warnings
 echo "[test] cargo test"
 cargo test -p sglite-tree-core -p sglite-cpu-attn
 echo "[test] pytest"
-SGL_TEST_REQUIRE_RUST=1 "$PY" -m pytest -q -p no:cacheprovider --timeout 900 tests "$@"
+SGL_TEST_REQUIRE_RUST=1 "$PY" -m pytest -q -p no:cacheprovider --timeout 900 --durations=25 tests "$@"
