@@ -16,8 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from fixtures.gguf_models import VARIANTS, build_hf_model
-from fixtures.gguf_writer import write_gguf
+from fixtures.gguf_models import VARIANTS, GGUFFiles, load_weights
 from fixtures.serving import child_env
 
 TEXTS = [
@@ -40,43 +39,23 @@ TRANSFORMERS_GGUF_ARCHS = ["llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3"
 
 
 @pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory):
-    built = {}
-
-    def make(variant: str):
-        if variant not in built:
-            built[variant] = build_hf_model(variant, tmp_path_factory.mktemp(variant))
-        return built[variant]
-
-    return make
+def gguf_files(tmp_path_factory):
+    return GGUFFiles(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
-def gguf_file(hf_dir, tmp_path_factory):
-    written = {}
+def hf_dir(gguf_files):
+    return gguf_files.source
 
-    def make(variant: str, qtype: str = "F32", **kwargs):
-        key = (variant, qtype, repr(sorted(kwargs.items())))
-        if key not in written:
-            out = tmp_path_factory.mktemp("gguf") / f"{variant}-{qtype}.gguf"
-            written[key] = write_gguf(hf_dir(variant), out, qtype=qtype, **kwargs)
-        return written[key]
 
-    return make
+@pytest.fixture(scope="module")
+def gguf_file(gguf_files):
+    return gguf_files.file
 
 
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory):
     return tmp_path_factory.mktemp("cache")
-
-
-def _weights(folder):
-    from safetensors.torch import load_file
-
-    out = {}
-    for f in sorted(folder.glob("*.safetensors")):
-        out.update(load_file(f))
-    return out
 
 
 def _logits(folder, weights=None, config_from=None, n=40):
@@ -129,7 +108,7 @@ def test_round_trip_gives_the_checkpoint_back(variant, qtype, hf_dir, gguf_file,
     # llama.cpp writes Mistral as llama (no window): transformers' Llama is the same model
     assert config["architectures"] == [VARIANTS[variant][1].replace("Mistral", "Llama")]
 
-    ref, ours = _weights(src), _weights(out)
+    ref, ours = load_weights(src), load_weights(out)
     tied = config["tie_word_embeddings"]
     assert set(ours) == set(ref) - ({"lm_head.weight"} if tied else set())
     for name, want in ref.items():
@@ -187,7 +166,7 @@ def test_matches_transformers_own_gguf_loader(variant, gguf_file, cache):
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(ours_config)
     theirs = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=skeleton)["tensors"]
-    ours = _weights(out)
+    ours = load_weights(out)
     assert set(ours) == set(theirs)
     for name, t in ours.items():
         assert torch.equal(t, theirs[name].float()), name
@@ -233,7 +212,7 @@ def test_a_file_written_from_random_tensors_without_a_checkpoint(hf_dir, tmp_pat
     config = AutoConfig.from_pretrained(str(tok_dir))
     config.update({"hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 8})
     path = write_gguf_from(config, random_tensors(config), tok_dir, tmp_path / "r.gguf")
-    ours = _weights(convert_gguf_to_hf(path, cache_root=tmp_path))
+    ours = load_weights(convert_gguf_to_hf(path, cache_root=tmp_path))
     want = dict(random_tensors(config))
     assert set(ours) == set(want)
     for name, t in want.items():

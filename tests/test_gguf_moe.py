@@ -9,38 +9,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fixtures.gguf_models import build_hf_model
-from fixtures.gguf_writer import write_gguf
+from fixtures.gguf_models import GGUFFiles, load_weights
 
 
 @pytest.fixture(scope="module")
 def gguf_file(tmp_path_factory):
-    sources, written = {}, {}
-
-    def make(variant: str, qtype: str = "F32", **kwargs):
-        if variant not in sources:
-            sources[variant] = build_hf_model(variant, tmp_path_factory.mktemp(variant))
-        key = (variant, qtype, repr(sorted(kwargs.items())))
-        if key not in written:
-            out = tmp_path_factory.mktemp("gguf") / f"{variant}-{qtype}.gguf"
-            written[key] = write_gguf(sources[variant], out, qtype=qtype, **kwargs)
-        return written[key]
-
-    return make
+    return GGUFFiles(tmp_path_factory).file
 
 
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory):
     return tmp_path_factory.mktemp("cache")
-
-
-def _weights(folder):
-    from safetensors.torch import load_file
-
-    out = {}
-    for f in sorted(folder.glob("*.safetensors")):
-        out.update(load_file(f))
-    return out
 
 
 @pytest.mark.parametrize("variant", ["qwen2_moe", "qwen3_moe"])
@@ -61,7 +40,7 @@ def test_moe_experts_match_transformers_own_gguf_loader(variant, gguf_file, cach
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)
     theirs = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=skeleton)["tensors"]
-    ours = _weights(out)
+    ours = load_weights(out)
     experts = range(config.num_experts)
     for i in range(config.num_hidden_layers):
         prefix = f"model.layers.{i}.mlp.experts"

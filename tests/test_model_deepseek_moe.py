@@ -15,12 +15,24 @@ version does not run are refused by name.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
 import test_scheduler_model as sched_model
 from fixtures.backends import load_backend
-from fixtures.model_driver import Driver, fragment_allocator, hf_greedy
+from fixtures.model_checks import (
+    check_chunked,
+    check_greedy,
+    check_one_shot,
+    check_scheduler_tokens,
+    check_warm_prefix,
+    fragmented_runner,
+    hf_checked_greedy,
+    hf_routes,
+)
+from fixtures.model_driver import Driver, hf_greedy
 
 _MOE = dict(
     first_k_dense_replace=1,
@@ -57,56 +69,21 @@ def model_dir(tiny_model_dir):
 @pytest.fixture(scope="module")
 def hf_ref(tiny_hf_model):
     """(prompt logits, greedy tokens, their logits) of transformers, per case."""
-    cache = {}
-
-    def get(name: str):
-        if name not in cache:
-            hf = tiny_hf_model(CASES[name][0], **CASES[name][1])
-            with torch.no_grad():
-                logits = hf(torch.tensor([PROMPT])).logits[0].float()
-                gen = hf.generate(
-                    torch.tensor([PROMPT]), max_new_tokens=STEPS, do_sample=False,
-                    eos_token_id=None, pad_token_id=0,
-                )[0, len(PROMPT) :].tolist()  # fmt: skip
-            tokens, step_logits = hf_greedy(hf, PROMPT, STEPS)
-            assert tokens == gen and len(set(gen)) > 3
-            cache[name] = logits, tokens, step_logits
-        return cache[name]
-
-    return get
+    return functools.cache(
+        lambda name: hf_checked_greedy(
+            tiny_hf_model(CASES[name][0], **CASES[name][1]), PROMPT, STEPS
+        )
+    )
 
 
 @pytest.fixture(scope="module")
 def runner(model_dir):
-    from sglite.model_executor.model_runner import ModelRunner
-
-    cache = {}
-
-    def get(name: str, page_size: int):
-        if (name, page_size) not in cache:
-            r = ModelRunner(
-                model_dir(name), device="cpu", page_size=page_size, max_total_tokens=1024,
-                max_running_requests=8,
-            )  # fmt: skip
-            fragment_allocator(r.allocator, seed=page_size)
-            cache[name, page_size] = r
-        return cache[name, page_size]
-
-    return get
+    return functools.cache(lambda name, page_size: fragmented_runner(model_dir(name), page_size))
 
 
 def _routes(hf) -> list[torch.Tensor]:
     """The experts each sparse layer's router chose for PROMPT's tokens."""
-    chosen = []
-    gates = [m for n, m in hf.named_modules() if n.endswith("mlp.gate")]
-    hooks = [g.register_forward_hook(lambda m, i, out: chosen.append(out[2])) for g in gates]
-    try:
-        with torch.no_grad():
-            hf(torch.tensor([PROMPT]))
-    finally:
-        for h in hooks:
-            h.remove()
-    return [ids.sort(dim=-1).values for ids in chosen]
+    return [ids.sort(dim=-1).values for ids in hf_routes(hf, PROMPT)]
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -154,39 +131,16 @@ def test_the_models_have_the_parts_under_test(runner):
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_prefill_one_shot_chunked_and_warm_match_transformers(name, page_size, runner, hf_ref):
     driver, ref = Driver(runner(name, page_size)), hf_ref(name)[0]
-    cold = driver.new_seq()
-    logits = driver.extend([cold], [PROMPT], return_all_logits=True)
-    torch.testing.assert_close(logits, ref, atol=ATOL, rtol=0)
-    seq, start, chunks = driver.new_seq(), 0, []
-    for end in (*CHUNKS, len(PROMPT)):
-        chunks.append(driver.extend([seq], [PROMPT[start:end]], return_all_logits=True))
-        start = end
-    torch.testing.assert_close(torch.cat(chunks), ref, atol=ATOL, rtol=0)
-    driver.release(seq)
-    half = 16 if page_size == 16 else 19
-    warm = driver.new_seq(prefix=cold, prefix_len=half)
-    logits = driver.extend([warm], [PROMPT[half:]], return_all_logits=True)
-    assert warm.slots[:half] == cold.slots[:half]
-    torch.testing.assert_close(logits, ref[half:], atol=ATOL, rtol=0)
-    driver.release(warm)
-    driver.release(cold)
+    cold = check_one_shot(driver, PROMPT, ref, ATOL)
+    check_chunked(driver, PROMPT, ref, CHUNKS, ATOL)
+    check_warm_prefix(driver, cold, PROMPT, ref, page_size, ATOL)
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_greedy_decode_matches_transformers(name, page_size, runner, hf_ref):
     _, expected, ref_logits = hf_ref(name)
-    driver = Driver(runner(name, page_size))
-    seq = driver.new_seq()
-    logits = [driver.extend([seq], [PROMPT])[0]]
-    tokens = [int(logits[-1].argmax())]
-    for _ in range(STEPS - 1):
-        logits.append(driver.decode([seq], [tokens[-1]])[0])
-        tokens.append(int(logits[-1].argmax()))
-    driver.release(seq)
-    for step, (got, want) in enumerate(zip(logits, ref_logits)):
-        torch.testing.assert_close(got, want, atol=ATOL, rtol=0, msg=f"step {step}")
-    assert tokens == expected
+    check_greedy(Driver(runner(name, page_size)), PROMPT, STEPS, expected, ref_logits, ATOL)
 
 
 # Each model on both tree cores, both loops and both page sizes, in four runs.
@@ -229,12 +183,7 @@ def test_scheduler_gives_transformers_tokens(
         load_backend(core_name), model_dir(name), reqs, page_size=page_size, policy="lpm",
         overlap=overlap, total_tokens=240,
     )  # fmt: skip
-    for rid, _, _ in reqs:
-        assert got[rid] == expected[rid], f"{rid} differs from transformers"
-    c = sched.counters
-    assert c["num_chunks"] > 0, "the workload must chunk"
-    assert c["num_cached_tokens_total"] > 0, "shared prefixes must hit the cache"
-    assert sched.cache.num_evicted_tokens > 0, "the workload must evict"
+    check_scheduler_tokens(got, sched, reqs, expected, evict=True)
 
 
 # ---------------------------------------------------------------- refusals

@@ -15,10 +15,24 @@ KV cache, whose per-step rule sglite follows (sglite.layers.rotary_embedding).
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
-from fixtures.model_driver import Driver, fragment_allocator
+from fixtures.model_checks import (
+    check_chunked,
+    check_greedy,
+    check_one_shot,
+    check_warm_prefix,
+    fragmented_runner,
+    greedy,
+    hf_generate,
+    hf_logits,
+    hf_reference,
+    load_hf,
+)
+from fixtures.model_driver import Driver
 from fixtures.tiny_families import FAMILIES, GEMMA_WINDOW
 
 W = GEMMA_WINDOW  # every window below is shorter than PROMPT
@@ -57,77 +71,22 @@ PROMPT = _prompt(40)  # crosses two page boundaries at page size 16, and every w
 
 @pytest.fixture(scope="module")
 def hf_model(tiny_model_dir):
-    from transformers import AutoModelForCausalLM
-
-    cache = {}
-
-    def get(name: str):
-        if name not in cache:
-            arch, opts = CASES[name]
-            path = tiny_model_dir(arch, **opts)
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-            model.generation_config.eos_token_id = None  # decode the full length
-            cache[name] = model
-        return cache[name]
-
-    return get
+    return functools.cache(lambda name: load_hf(tiny_model_dir(CASES[name][0], **CASES[name][1])))
 
 
 @pytest.fixture(scope="module")
 def hf_ref(hf_model):
     """transformers' reference for PROMPT, once per case: (prompt logits, generate's tokens,
     generate's logits)."""
-    cache = {}
-
-    def get(name: str):
-        if name not in cache:
-            hf = hf_model(name)
-            cache[name] = (_hf_logits(hf, PROMPT), *_hf_generate(hf, PROMPT, DECODE_STEPS))
-        return cache[name]
-
-    return get
+    return functools.cache(lambda name: hf_reference(hf_model(name), PROMPT, DECODE_STEPS))
 
 
 @pytest.fixture(scope="module")
 def runner(tiny_model_dir):
-    from sglite.model_executor.model_runner import ModelRunner
+    def make(name: str, page_size: int):
+        return fragmented_runner(tiny_model_dir(CASES[name][0], **CASES[name][1]), page_size)
 
-    cache = {}
-
-    def get(name: str, page_size: int):
-        if (name, page_size) not in cache:
-            arch, opts = CASES[name]
-            r = ModelRunner(
-                tiny_model_dir(arch, **opts),
-                device="cpu",
-                page_size=page_size,
-                max_total_tokens=1024,
-                max_running_requests=8,
-            )
-            fragment_allocator(r.allocator, seed=page_size)
-            cache[name, page_size] = r
-        return cache[name, page_size]
-
-    return get
-
-
-@torch.no_grad()
-def _hf_logits(hf, ids: list[int]) -> torch.Tensor:
-    return hf(torch.tensor([ids])).logits[0].float()
-
-
-@torch.no_grad()
-def _hf_generate(hf, ids: list[int], steps: int) -> tuple[list[int], list[torch.Tensor]]:
-    """transformers' greedy generate with its KV cache: the new tokens and their logits."""
-    out = hf.generate(
-        torch.tensor([ids]),
-        max_new_tokens=steps,
-        do_sample=False,
-        output_logits=True,
-        return_dict_in_generate=True,
-        pad_token_id=0,
-    )
-    return out.sequences[0, len(ids) :].tolist(), [s[0].float() for s in out.logits]
+    return functools.cache(make)
 
 
 @torch.no_grad()
@@ -143,33 +102,13 @@ def _hf_cached_steps(hf, ids: list[int], steps: int) -> tuple[list[int], list[to
     return tokens, logits
 
 
-def _greedy(driver: Driver, prompt: list[int], steps: int) -> tuple[list[int], list]:
-    seq = driver.new_seq()
-    logits = [driver.extend([seq], [prompt])[0]]
-    tokens = [int(logits[-1].argmax())]
-    for _ in range(steps - 1):
-        logits.append(driver.decode([seq], [tokens[-1]])[0])
-        tokens.append(int(logits[-1].argmax()))
-    driver.release(seq)
-    return tokens, logits
-
-
 @pytest.mark.parametrize("page_size", PAGE_SIZES)
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_prefill_one_shot_and_chunked_match_transformers(name, page_size, runner, hf_ref):
     driver, ref = Driver(runner(name, page_size)), hf_ref(name)[0]
     assert ref.std() > 0.1, "degenerate model: the test would not catch much"
-    seq = driver.new_seq()
-    logits = driver.extend([seq], [PROMPT], return_all_logits=True)
-    torch.testing.assert_close(logits, ref, atol=ATOL, rtol=0)
-    driver.release(seq)
-
-    seq, start, chunks = driver.new_seq(), 0, []
-    for end in (*CHUNKS, len(PROMPT)):
-        chunks.append(driver.extend([seq], [PROMPT[start:end]], return_all_logits=True))
-        start = end
-    torch.testing.assert_close(torch.cat(chunks), ref, atol=ATOL, rtol=0)
-    driver.release(seq)
+    driver.release(check_one_shot(driver, PROMPT, ref, ATOL))
+    check_chunked(driver, PROMPT, ref, CHUNKS, ATOL)
 
 
 @pytest.mark.parametrize("page_size", PAGE_SIZES)
@@ -178,23 +117,15 @@ def test_prefill_over_a_warm_prefix_matches_transformers(name, page_size, runner
     driver, ref = Driver(runner(name, page_size)), hf_ref(name)[0]
     cold = driver.new_seq()
     driver.extend([cold], [PROMPT])
-    half = 16 if page_size == 16 else 19  # cached prefixes are whole pages
-    warm = driver.new_seq(prefix=cold, prefix_len=half)
-    logits = driver.extend([warm], [PROMPT[half:]], return_all_logits=True)
-    assert warm.slots[:half] == cold.slots[:half]
-    torch.testing.assert_close(logits, ref[half:], atol=ATOL, rtol=0)
-    driver.release(warm)
-    driver.release(cold)
+    check_warm_prefix(driver, cold, PROMPT, ref, page_size, ATOL)
 
 
 @pytest.mark.parametrize("page_size", PAGE_SIZES)
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_greedy_decode_matches_transformers_generate(name, page_size, runner, hf_ref):
     _, expected, ref_logits = hf_ref(name)
-    tokens, logits = _greedy(Driver(runner(name, page_size)), PROMPT, DECODE_STEPS)
-    for step, (got, want) in enumerate(zip(logits, ref_logits)):
-        torch.testing.assert_close(got, want, atol=ATOL, rtol=0, msg=f"step {step}")
-    assert tokens == expected
+    driver = Driver(runner(name, page_size))
+    check_greedy(driver, PROMPT, DECODE_STEPS, expected, ref_logits, ATOL)
 
 
 def test_longrope_past_the_original_length_uses_the_long_factors(runner, hf_model):
@@ -203,10 +134,10 @@ def test_longrope_past_the_original_length_uses_the_long_factors(runner, hf_mode
     hf, driver = hf_model("phi3"), Driver(runner("phi3", 1))
     seq = driver.new_seq()
     logits = driver.extend([seq], [prompt], return_all_logits=True)
-    torch.testing.assert_close(logits, _hf_logits(hf, prompt), atol=ATOL, rtol=0)
+    torch.testing.assert_close(logits, hf_logits(hf, prompt), atol=ATOL, rtol=0)
     driver.release(seq)
-    expected, ref_logits = _hf_generate(hf, prompt, 8)
-    tokens, logits = _greedy(driver, prompt, 8)
+    expected, ref_logits = hf_generate(hf, prompt, 8)
+    tokens, logits = greedy(driver, prompt, 8)
     torch.testing.assert_close(torch.stack(logits), torch.stack(ref_logits), atol=ATOL, rtol=0)
     assert tokens == expected
 
@@ -218,7 +149,7 @@ def test_longrope_crossing_while_decoding_keeps_the_cached_keys(runner, hf_model
     which a server sharing cached prefixes does not: sglite.layers.rotary_embedding)."""
     prompt = _prompt(56, 3)
     expected, ref_logits = _hf_cached_steps(hf_model("phi3"), prompt, 16)
-    tokens, logits = _greedy(Driver(runner("phi3", 1)), prompt, 16)
+    tokens, logits = greedy(Driver(runner("phi3", 1)), prompt, 16)
     torch.testing.assert_close(torch.stack(logits), torch.stack(ref_logits), atol=ATOL, rtol=0)
     assert tokens == expected
 
@@ -260,13 +191,13 @@ def test_dynamic_ntk_past_the_model_length_matches_transformers(tiny_model_dir):
     driver = Driver(ModelRunner(path, device="cpu", context_length=256, max_total_tokens=512))
     seq = driver.new_seq()
     logits = driver.extend([seq], [prompt], return_all_logits=True)
-    torch.testing.assert_close(logits, _hf_logits(hf, prompt), atol=ATOL, rtol=0)
+    torch.testing.assert_close(logits, hf_logits(hf, prompt), atol=ATOL, rtol=0)
     driver.release(seq)
     # a fresh transformers model: its dynamic rope keeps the longest length it has seen
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     hf.generation_config.eos_token_id = None
-    expected, ref_logits = _hf_generate(hf, prompt, 8)
-    tokens, logits = _greedy(driver, prompt, 8)
+    expected, ref_logits = hf_generate(hf, prompt, 8)
+    tokens, logits = greedy(driver, prompt, 8)
     torch.testing.assert_close(torch.stack(logits), torch.stack(ref_logits), atol=ATOL, rtol=0)
     assert tokens == expected
 
@@ -313,12 +244,12 @@ def test_engine_logprobs_and_structured_output_on_gemma(core, tiny_model_dir, hf
             },
         )
         regex = engine.generate("x", {"regex": "(town|bread) at 7", "temperature": 0})
-    tokens, ref_logits = _hf_generate(hf_model("gemma"), prompt, steps)
+    tokens, ref_logits = hf_generate(hf_model("gemma"), prompt, steps)
     assert out["output_ids"] == tokens
     meta = out["meta_info"]
     for (logprob, token, _), logits in zip(meta["output_token_logprobs"], ref_logits):
         assert abs(logprob - logits.log_softmax(-1)[token].item()) < 5e-4
-    ref_in = _hf_logits(hf_model("gemma"), prompt).log_softmax(-1)
+    ref_in = hf_logits(hf_model("gemma"), prompt).log_softmax(-1)
     assert meta["input_token_logprobs"][0][0] is None
     for i, (logprob, token, _) in enumerate(meta["input_token_logprobs"][1:], start=1):
         assert token == prompt[i] and abs(logprob - ref_in[i - 1, token].item()) < 5e-4

@@ -14,17 +14,29 @@ MXFP4 checkpoints: tests/test_gpt_oss_mxfp4.py.
 
 from __future__ import annotations
 
+import functools
 import random
 
 import pytest
 import torch
 
-from fixtures.model_driver import Driver, fragment_allocator
+from fixtures.model_checks import (
+    SCHEDULER_IDS,
+    SCHEDULER_MATRIX,
+    check_chunked,
+    check_greedy,
+    check_one_shot,
+    check_scheduler_tokens,
+    check_warm_prefix,
+    fragmented_runner,
+    hf_generate_exact,
+    hf_reference,
+    hf_routes,
+    load_hf,
+    run_scheduler,
+)
+from fixtures.model_driver import Driver
 from fixtures.tiny_moe import GPT_OSS_WINDOW
-from sglite.config import ServerArgs
-from sglite.messages import GenerateReq
-from sglite.sampling_params import SamplingParams
-from sglite.scheduler.process import scheduler_for_runner
 
 ATOL = 1e-4
 PAGE_SIZES = (1, 16)
@@ -40,43 +52,18 @@ def path(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def hf(path):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None  # decode the full length
-    return model
+    return load_hf(path)
 
 
 @pytest.fixture(scope="module")
 def hf_ref(hf):
     """(prompt logits, generate's tokens, generate's logits)."""
-    with torch.no_grad():
-        logits = hf(torch.tensor([PROMPT])).logits[0].float()
-        out = hf.generate(
-            torch.tensor([PROMPT]), max_new_tokens=DECODE_STEPS, do_sample=False,
-            output_logits=True, return_dict_in_generate=True, pad_token_id=0,
-        )  # fmt: skip
-    tokens = out.sequences[0, len(PROMPT) :].tolist()
-    return logits, tokens, [s[0].float() for s in out.logits]
+    return hf_reference(hf, PROMPT, DECODE_STEPS)
 
 
 @pytest.fixture(scope="module")
 def runner(path):
-    from sglite.model_executor.model_runner import ModelRunner
-
-    cache = {}
-
-    def get(page_size: int):
-        if page_size not in cache:
-            r = ModelRunner(
-                path, device="cpu", page_size=page_size, max_total_tokens=1024,
-                max_running_requests=8,
-            )  # fmt: skip
-            fragment_allocator(r.allocator, seed=page_size)
-            cache[page_size] = r
-        return cache[page_size]
-
-    return get
+    return functools.cache(lambda page_size: fragmented_runner(path, page_size))
 
 
 def test_the_model_has_the_parts_under_test(hf, runner):
@@ -97,11 +84,7 @@ def test_the_model_has_the_parts_under_test(hf, runner):
         model.model.layers[0].mlp.experts.w13_bias[3, :32],
         hf_layer.mlp.experts.gate_up_proj_bias[3, 0::2],
     )
-    chosen, clamped = [], []
-    hooks = [
-        layer.mlp.router.register_forward_hook(lambda m, i, out: chosen.append(out[2]))
-        for layer in hf.model.layers
-    ]
+    clamped = []
     limit = hf.config.swiglu_limit
     for layer in hf.model.layers:
         experts, apply = layer.mlp.experts, layer.mlp.experts._apply_gate
@@ -112,11 +95,8 @@ def test_the_model_has_the_parts_under_test(hf, runner):
 
         experts._apply_gate = record
     try:
-        with torch.no_grad():
-            hf(torch.tensor([PROMPT]))
+        chosen = hf_routes(hf, PROMPT, "mlp.router")
     finally:
-        for h in hooks:
-            h.remove()
         for layer in hf.model.layers:
             del layer.mlp.experts._apply_gate
     pairs = [len({tuple(sorted(row)) for row in ids.tolist()}) for ids in chosen]
@@ -128,38 +108,16 @@ def test_the_model_has_the_parts_under_test(hf, runner):
 def test_prefill_one_shot_chunked_and_warm_match_transformers(page_size, runner, hf_ref):
     driver, ref = Driver(runner(page_size)), hf_ref[0]
     assert ref.std() > 0.1, "degenerate model: the test would not catch much"
-    cold = driver.new_seq()
-    logits = driver.extend([cold], [PROMPT], return_all_logits=True)
-    torch.testing.assert_close(logits, ref, atol=ATOL, rtol=0)
-    seq, start, chunks = driver.new_seq(), 0, []
-    for end in (*CHUNKS, len(PROMPT)):
-        chunks.append(driver.extend([seq], [PROMPT[start:end]], return_all_logits=True))
-        start = end
-    torch.testing.assert_close(torch.cat(chunks), ref, atol=ATOL, rtol=0)
-    driver.release(seq)
-    half = 16 if page_size == 16 else 19  # a cached prefix longer than the window
-    warm = driver.new_seq(prefix=cold, prefix_len=half)
-    logits = driver.extend([warm], [PROMPT[half:]], return_all_logits=True)
-    assert warm.slots[:half] == cold.slots[:half]
-    torch.testing.assert_close(logits, ref[half:], atol=ATOL, rtol=0)
-    driver.release(warm)
-    driver.release(cold)
+    cold = check_one_shot(driver, PROMPT, ref, ATOL)
+    check_chunked(driver, PROMPT, ref, CHUNKS, ATOL)
+    # a cached prefix longer than the window
+    check_warm_prefix(driver, cold, PROMPT, ref, page_size, ATOL)
 
 
 @pytest.mark.parametrize("page_size", PAGE_SIZES)
 def test_greedy_decode_matches_transformers_generate(page_size, runner, hf_ref):
     _, expected, ref_logits = hf_ref
-    driver = Driver(runner(page_size))
-    seq = driver.new_seq()
-    logits = [driver.extend([seq], [PROMPT])[0]]
-    tokens = [int(logits[-1].argmax())]
-    for _ in range(DECODE_STEPS - 1):
-        logits.append(driver.decode([seq], [tokens[-1]])[0])
-        tokens.append(int(logits[-1].argmax()))
-    driver.release(seq)
-    for step, (got, want) in enumerate(zip(logits, ref_logits)):
-        torch.testing.assert_close(got, want, atol=ATOL, rtol=0, msg=f"step {step}")
-    assert tokens == expected
+    check_greedy(Driver(runner(page_size)), PROMPT, DECODE_STEPS, expected, ref_logits, ATOL)
 
 
 @pytest.fixture(scope="module")
@@ -175,60 +133,17 @@ def scheduler_case(hf):
         else:
             prompt, n = system + [rng.randrange(3, 384) for _ in range(8)], rng.randrange(2, 6)
         reqs.append((f"req{i}", prompt, n))
-    expected = {}
-    with torch.inference_mode():
-        for rid, prompt, n in reqs:
-            out = hf.generate(
-                torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                pad_token_id=0,
-            )  # fmt: skip
-            expected[rid] = out[0, len(prompt) :].tolist()
+    expected = hf_generate_exact(hf, reqs)
     return reqs, expected
 
 
-# Every pair of (tree core, loop, page size) values in four runs instead of eight.
-SCHEDULER_MATRIX = [
-    ("python", False, 1),
-    ("rust", True, 1),
-    ("python", True, 16),
-    ("rust", False, 16),
-]
-
-
-@pytest.mark.parametrize(
-    ("core_name", "overlap", "page_size"),
-    SCHEDULER_MATRIX,
-    ids=[f"{c}-{'overlap' if o else 'normal'}-page{p}" for c, o, p in SCHEDULER_MATRIX],
-)
+@pytest.mark.parametrize(("core_name", "overlap", "page_size"), SCHEDULER_MATRIX, ids=SCHEDULER_IDS)
 def test_scheduler_gives_transformers_tokens(path, scheduler_case, core_name, overlap, page_size):
     from fixtures.backends import load_backend
-    from sglite.model_executor.model_runner import ModelRunner
 
-    core = load_backend(core_name)
     reqs, expected = scheduler_case
-    total = 160
-    runner = ModelRunner(
-        path, device="cpu", page_size=page_size, max_total_tokens=total,
-        max_running_requests=8, tree_core=core.name,
+    got, sched = run_scheduler(
+        load_backend(core_name), path, reqs, page_size=page_size, policy="lpm", overlap=overlap,
+        total_tokens=160, max_running_requests=8, chunked_prefill_size=16,
     )  # fmt: skip
-    args = ServerArgs(
-        page_size=page_size, max_total_tokens=total, chunked_prefill_size=16,
-        disable_overlap_schedule=not overlap, debug_invariants=True, tree_core=core.name,
-        schedule_policy="lpm",
-    )  # fmt: skip
-    outputs = []
-    sched = scheduler_for_runner(args, runner, outputs.append)
-    sched.stop_checker.eos_token_ids = set()
-    for rid, prompt, n in reqs:
-        sched.add_request(GenerateReq(rid, prompt, SamplingParams(max_new_tokens=n, temperature=0)))
-    sched.run_until_idle()
-    sched.cache.check_idle()
-    got: dict[str, list[int]] = {}
-    for msg in outputs:
-        for rid, ids in zip(msg.rids, msg.output_ids):
-            got.setdefault(rid, []).extend(ids)
-    for rid, _, _ in reqs:
-        assert got[rid] == expected[rid], f"{rid} differs from transformers"
-    c = sched.counters
-    assert c["num_chunks"] > 0, "the workload must chunk"
-    assert c["num_cached_tokens_total"] > 0, "shared prefixes must hit the cache"
+    check_scheduler_tokens(got, sched, reqs, expected, evict=False)

@@ -14,12 +14,14 @@ to 1). Their mixture-of-experts layers: tests/test_model_deepseek_moe.py.
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import pytest
 import torch
 
-from fixtures.model_driver import Driver, fragment_allocator, hf_greedy
+from fixtures.model_checks import fragmented_runner, hf_checked_greedy
+from fixtures.model_driver import Driver
 
 ATOL = 1e-4
 MODELS = {
@@ -40,36 +42,17 @@ def model_dir(tiny_model_dir):
 def hf_ref(tiny_hf_model):
     """transformers' logits of every PROMPT position, its full-forward greedy logits, and
     `generate`'s greedy tokens."""
-    cache = {}
 
     def get(name: str):
-        if name not in cache:
-            arch, options = MODELS[name]
-            hf = tiny_hf_model(arch, **options)
-            with torch.no_grad():
-                logits = hf(torch.tensor([PROMPT])).logits[0].float()
-                gen = hf.generate(
-                    torch.tensor([PROMPT]), max_new_tokens=STEPS, do_sample=False,
-                    eos_token_id=None, pad_token_id=0,
-                )[0, len(PROMPT) :].tolist()  # fmt: skip
-            tokens, step_logits = hf_greedy(hf, PROMPT, STEPS)
-            assert tokens == gen
-            assert len(set(gen)) > 3, "degenerate model: the test would not catch much"
-            cache[name] = logits, step_logits, gen
-        return cache[name]
+        arch, options = MODELS[name]
+        logits, gen, step_logits = hf_checked_greedy(tiny_hf_model(arch, **options), PROMPT, STEPS)
+        return logits, step_logits, gen
 
-    return get
+    return functools.cache(get)
 
 
 def _driver(model_dir, name: str, page_size: int, backend: str | None = None) -> Driver:
-    from sglite.model_executor.model_runner import ModelRunner
-
-    runner = ModelRunner(
-        model_dir(name), device="cpu", page_size=page_size, max_total_tokens=1024,
-        max_running_requests=8, attention_backend=backend,
-    )  # fmt: skip
-    fragment_allocator(runner.allocator, seed=page_size)
-    return Driver(runner)
+    return Driver(fragmented_runner(model_dir(name), page_size, attention_backend=backend))
 
 
 def _greedy(driver: Driver, seq, first_logits, step_logits, expected) -> None:

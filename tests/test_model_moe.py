@@ -13,12 +13,23 @@ The engine, scheduler loops, tree cores and tensor parallelism: tests/test_moe_e
 
 from __future__ import annotations
 
+import functools
 import shutil
 
 import pytest
 import torch
 
-from fixtures.model_driver import Driver, fragment_allocator
+from fixtures.model_checks import (
+    check_chunked,
+    check_greedy,
+    check_one_shot,
+    check_warm_prefix,
+    fragmented_runner,
+    hf_reference,
+    hf_routes,
+    load_hf,
+)
+from fixtures.model_driver import Driver
 
 CASES = {
     "qwen2_moe": ("qwen2_moe", {}),
@@ -36,86 +47,28 @@ PROMPT = torch.randint(3, 384, (40,), generator=torch.Generator().manual_seed(0)
 
 @pytest.fixture(scope="module")
 def hf_model(tiny_model_dir):
-    from transformers import AutoModelForCausalLM
-
-    cache = {}
-
-    def get(name: str):
-        if name not in cache:
-            arch, opts = CASES[name]
-            path = tiny_model_dir(arch, **opts)
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-            model.generation_config.eos_token_id = None  # decode the full length
-            cache[name] = model
-        return cache[name]
-
-    return get
-
-
-@torch.no_grad()
-def _hf_generate(hf, ids: list[int], steps: int):
-    out = hf.generate(
-        torch.tensor([ids]),
-        max_new_tokens=steps,
-        do_sample=False,
-        output_logits=True,
-        return_dict_in_generate=True,
-        pad_token_id=0,
-    )
-    return out.sequences[0, len(ids) :].tolist(), [s[0].float() for s in out.logits]
+    return functools.cache(lambda name: load_hf(tiny_model_dir(CASES[name][0], **CASES[name][1])))
 
 
 @pytest.fixture(scope="module")
 def hf_ref(hf_model):
     """(prompt logits, generate's tokens, generate's logits) per case."""
-    cache = {}
-
-    def get(name: str):
-        if name not in cache:
-            hf = hf_model(name)
-            with torch.no_grad():
-                logits = hf(torch.tensor([PROMPT])).logits[0].float()
-            cache[name] = (logits, *_hf_generate(hf, PROMPT, DECODE_STEPS))
-        return cache[name]
-
-    return get
+    return functools.cache(lambda name: hf_reference(hf_model(name), PROMPT, DECODE_STEPS))
 
 
 @pytest.fixture(scope="module")
 def runner(tiny_model_dir):
-    from sglite.model_executor.model_runner import ModelRunner
+    def make(name: str, page_size: int):
+        return fragmented_runner(tiny_model_dir(CASES[name][0], **CASES[name][1]), page_size)
 
-    cache = {}
-
-    def get(name: str, page_size: int):
-        if (name, page_size) not in cache:
-            arch, opts = CASES[name]
-            r = ModelRunner(
-                tiny_model_dir(arch, **opts),
-                device="cpu",
-                page_size=page_size,
-                max_total_tokens=1024,
-                max_running_requests=8,
-            )
-            fragment_allocator(r.allocator, seed=page_size)
-            cache[name, page_size] = r
-        return cache[name, page_size]
-
-    return get
+    return functools.cache(make)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_routing_sends_tokens_to_many_experts(name, hf_model):
     """The test's premise: every sparse layer routes the prompt's tokens differently."""
-    hf, chosen = hf_model(name), []
-    gates = [m for n, m in hf.named_modules() if n.endswith("mlp.gate")]
-    hooks = [g.register_forward_hook(lambda m, i, out: chosen.append(out[2])) for g in gates]
-    try:
-        with torch.no_grad():
-            hf(torch.tensor([PROMPT]))
-    finally:
-        for h in hooks:
-            h.remove()
+    hf = hf_model(name)
+    chosen = hf_routes(hf, PROMPT)
     dense = sum(1 for layer in hf.model.layers if not hasattr(layer.mlp, "gate"))
     assert len(chosen) == len(hf.model.layers) - dense >= 2
     pairs = [len({tuple(sorted(row)) for row in ids.tolist()}) for ids in chosen]
@@ -146,16 +99,8 @@ def test_the_families_have_the_parts_under_test(runner):
 def test_prefill_one_shot_and_chunked_match_transformers(name, page_size, runner, hf_ref):
     driver, ref = Driver(runner(name, page_size)), hf_ref(name)[0]
     assert ref.std() > 0.1, "degenerate model: the test would not catch much"
-    seq = driver.new_seq()
-    logits = driver.extend([seq], [PROMPT], return_all_logits=True)
-    torch.testing.assert_close(logits, ref, atol=ATOL, rtol=0)
-    driver.release(seq)
-    seq, start, chunks = driver.new_seq(), 0, []
-    for end in (*CHUNKS, len(PROMPT)):
-        chunks.append(driver.extend([seq], [PROMPT[start:end]], return_all_logits=True))
-        start = end
-    torch.testing.assert_close(torch.cat(chunks), ref, atol=ATOL, rtol=0)
-    driver.release(seq)
+    driver.release(check_one_shot(driver, PROMPT, ref, ATOL))
+    check_chunked(driver, PROMPT, ref, CHUNKS, ATOL)
 
 
 @pytest.mark.parametrize("page_size", PAGE_SIZES)
@@ -164,13 +109,7 @@ def test_prefill_over_a_warm_prefix_matches_transformers(name, page_size, runner
     driver, ref = Driver(runner(name, page_size)), hf_ref(name)[0]
     cold = driver.new_seq()
     driver.extend([cold], [PROMPT])
-    half = 16 if page_size == 16 else 19
-    warm = driver.new_seq(prefix=cold, prefix_len=half)
-    logits = driver.extend([warm], [PROMPT[half:]], return_all_logits=True)
-    assert warm.slots[:half] == cold.slots[:half]
-    torch.testing.assert_close(logits, ref[half:], atol=ATOL, rtol=0)
-    driver.release(warm)
-    driver.release(cold)
+    check_warm_prefix(driver, cold, PROMPT, ref, page_size, ATOL)
 
 
 @pytest.mark.parametrize("page_size", PAGE_SIZES)
@@ -178,16 +117,7 @@ def test_prefill_over_a_warm_prefix_matches_transformers(name, page_size, runner
 def test_greedy_decode_matches_transformers_generate(name, page_size, runner, hf_ref):
     _, expected, ref_logits = hf_ref(name)
     driver = Driver(runner(name, page_size))
-    seq = driver.new_seq()
-    logits = [driver.extend([seq], [PROMPT])[0]]
-    tokens = [int(logits[-1].argmax())]
-    for _ in range(DECODE_STEPS - 1):
-        logits.append(driver.decode([seq], [tokens[-1]])[0])
-        tokens.append(int(logits[-1].argmax()))
-    driver.release(seq)
-    for step, (got, want) in enumerate(zip(logits, ref_logits)):
-        torch.testing.assert_close(got, want, atol=ATOL, rtol=0, msg=f"step {step}")
-    assert tokens == expected
+    check_greedy(driver, PROMPT, DECODE_STEPS, expected, ref_logits, ATOL)
 
 
 @pytest.mark.parametrize("name", ["qwen2_moe", "mixtral"])

@@ -16,12 +16,15 @@ import random
 import pytest
 import torch
 
+from fixtures.model_checks import (
+    SCHEDULER_IDS,
+    SCHEDULER_MATRIX,
+    check_scheduler_tokens,
+    hf_generate_exact,
+    run_scheduler,
+)
 from fixtures.model_driver import hf_greedy
 from fixtures.tp_worker import DECODE_STEPS, PROMPTS, run_tp_ranks, run_workload
-from sglite.config import ServerArgs
-from sglite.messages import GenerateReq
-from sglite.sampling_params import SamplingParams
-from sglite.scheduler.process import scheduler_for_runner
 
 MOE_ARCHS = ("qwen2_moe", "qwen3_moe", "mixtral", "olmoe", "gpt_oss")
 ATOL = 1e-4
@@ -49,64 +52,20 @@ def scheduler_case(tiny_model_dir):
     path = tiny_model_dir("qwen2_moe")
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     reqs = _workload(hf.config.vocab_size)
-    expected = {}
-    with torch.inference_mode():
-        for rid, prompt, n in reqs:  # greedy with transformers' KV cache, exactly n tokens
-            out = hf.generate(
-                torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                pad_token_id=0,
-            )  # fmt: skip
-            expected[rid] = out[0, len(prompt) :].tolist()
+    expected = hf_generate_exact(hf, reqs)  # with its KV cache, exactly n tokens
     return path, reqs, expected
 
 
-# Every pair of (tree core, loop, page size) values in four runs instead of eight.
-SCHEDULER_MATRIX = [
-    ("python", False, 1),
-    ("rust", True, 1),
-    ("python", True, 16),
-    ("rust", False, 16),
-]
-
-
-@pytest.mark.parametrize(
-    ("core_name", "overlap", "page_size"),
-    SCHEDULER_MATRIX,
-    ids=[f"{c}-{'overlap' if o else 'normal'}-page{p}" for c, o, p in SCHEDULER_MATRIX],
-)
+@pytest.mark.parametrize(("core_name", "overlap", "page_size"), SCHEDULER_MATRIX, ids=SCHEDULER_IDS)
 def test_scheduler_gives_transformers_tokens(scheduler_case, core_name, overlap, page_size):
     from fixtures.backends import load_backend
-    from sglite.model_executor.model_runner import ModelRunner
 
-    core = load_backend(core_name)
     path, reqs, expected = scheduler_case
-    total = 240
-    runner = ModelRunner(
-        path, device="cpu", page_size=page_size, max_total_tokens=total,
-        max_running_requests=16, tree_core=core.name,
+    got, sched = run_scheduler(
+        load_backend(core_name), path, reqs, page_size=page_size, policy="lpm", overlap=overlap,
+        total_tokens=240, max_running_requests=16, chunked_prefill_size=32,
     )  # fmt: skip
-    args = ServerArgs(
-        page_size=page_size, max_total_tokens=total, chunked_prefill_size=32,
-        disable_overlap_schedule=not overlap, debug_invariants=True, tree_core=core.name,
-        schedule_policy="lpm",
-    )  # fmt: skip
-    outputs = []
-    sched = scheduler_for_runner(args, runner, outputs.append)
-    sched.stop_checker.eos_token_ids = set()
-    for rid, prompt, n in reqs:
-        sched.add_request(GenerateReq(rid, prompt, SamplingParams(max_new_tokens=n, temperature=0)))
-    sched.run_until_idle()
-    sched.cache.check_idle()
-    got: dict[str, list[int]] = {}
-    for msg in outputs:
-        for rid, ids in zip(msg.rids, msg.output_ids):
-            got.setdefault(rid, []).extend(ids)
-    for rid, _, _ in reqs:
-        assert got[rid] == expected[rid], f"{rid} differs from transformers"
-    c = sched.counters
-    assert c["num_chunks"] > 0, "the workload must chunk"
-    assert c["num_cached_tokens_total"] > 0, "shared prefixes must hit the cache"
-    assert sched.cache.num_evicted_tokens > 0, "the workload must evict"
+    check_scheduler_tokens(got, sched, reqs, expected, evict=True)
 
 
 def test_engine_logprobs_and_structured_output(tiny_model_dir):

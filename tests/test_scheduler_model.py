@@ -9,10 +9,7 @@ import random
 import pytest
 import torch
 
-from sglite.config import ServerArgs
-from sglite.messages import GenerateReq
-from sglite.sampling_params import SamplingParams
-from sglite.scheduler.process import scheduler_for_runner
+from fixtures.model_checks import check_scheduler_tokens, run_scheduler
 
 POLICIES = ["fcfs", "lpm", "dfs-weight", "lof", "random", "hrrn", "shortest-prefill-first"]
 NUM_REQS = 32
@@ -65,40 +62,13 @@ def reference(tiny_model_dir):
 def run_engine(
     core, model_dir, reqs, *, page_size, policy, overlap, total_tokens=320, conserv=0.1, mixed=False
 ):
-    from sglite.model_executor.model_runner import ModelRunner
-
-    runner = ModelRunner(
-        model_dir,
-        device="cpu",
-        page_size=page_size,
-        max_total_tokens=total_tokens,
-        max_running_requests=24,
-        tree_core=core.name,
-    )
-    args = ServerArgs(
-        page_size=page_size,
-        max_total_tokens=total_tokens,
-        schedule_policy=policy,
-        chunked_prefill_size=32,
-        disable_overlap_schedule=not overlap,
-        enable_mixed_chunk=mixed,
-        debug_invariants=True,
-        schedule_conservativeness=conserv,
-        tree_core=core.name,
-    )  # eager admission: forces retraction
-    outputs = []
-    sched = scheduler_for_runner(args, runner, outputs.append)
+    # eager admission (a low conservativeness): forces retraction
+    got, sched = run_scheduler(
+        core, model_dir, reqs, page_size=page_size, policy=policy, overlap=overlap,
+        total_tokens=total_tokens, max_running_requests=24, chunked_prefill_size=32,
+        enable_mixed_chunk=mixed, schedule_conservativeness=conserv,
+    )  # fmt: skip
     assert sched.core.name == core.name
-    # exact-length outputs (no EOS stop, but no ignore_eos either: admission must estimate)
-    sched.stop_checker.eos_token_ids = set()
-    for rid, prompt, n in reqs:
-        sched.add_request(GenerateReq(rid, prompt, SamplingParams(max_new_tokens=n, temperature=0)))
-    sched.run_until_idle()
-    sched.cache.check_idle()
-    got: dict[str, list[int]] = {}
-    for msg in outputs:
-        for rid, ids in zip(msg.rids, msg.output_ids):
-            got.setdefault(rid, []).extend(ids)
     return got, sched
 
 
@@ -110,13 +80,7 @@ def test_greedy_tokens_match_transformers(core, reference, policy, overlap, page
     got, sched = run_engine(
         core, model_dir, reqs, page_size=page_size, policy=policy, overlap=overlap
     )
-    for rid, _, _ in reqs:
-        assert got[rid] == expected[rid], f"{rid} differs from transformers"
-    c = sched.counters
-    assert c["num_chunks"] > 0, "the workload must chunk"
-    assert sched.cache.num_evicted_tokens > 0, "the workload must evict"
-    assert c["num_retracted_reqs"] > 0, "the workload must retract"
-    assert c["num_cached_tokens_total"] > 0, "shared prefixes must hit the cache"
+    check_scheduler_tokens(got, sched, reqs, expected, evict=True, retract=True)
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
