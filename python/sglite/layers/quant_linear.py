@@ -1,0 +1,228 @@
+"""Linear layers over GGUF block-quantized weights kept as the file's bytes.
+
+`PackedRows` is a window of a quantized tensor: uint8 `[rows, row_bytes]` of whole blocks,
+usually a zero-copy view of the mmap'd file. `PackedWeight` is a layer's weight
+`[out_features, in_features]` as such windows placed at row offsets: a merged or QKV layer
+gets one per checkpoint tensor, each in its own format (a Q4_K_M file keeps `attn_v` in Q6_K
+next to Q4_K `attn_q`), and one output tensor takes their columns side by side.
+
+`Quant*Linear` are the layers of `sglite.layers.linear` with the same constructors, TP shapes
+and placement code (`place()`: column-parallel layers take whole rows, row-parallel ones a
+window of whole blocks of every row, which needs `in_features / tp_size` to be a multiple of
+the block). They allocate no float weight; the packed rows arrive by `load_packed(rows,
+shard_id)` and the bias (float) by its parameter's `weight_loader` as before. Forward, in the
+activations' dtype: on CPU the native kernels (`quant_kernels`: a GEMV for decode, int8 tiles
+for prefill); elsewhere, or without the native module, the weight dequantized by torch
+(`quant_formats.dequantize`) for each call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from sglite.layers import quant_kernels
+from sglite.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+)
+from sglite.layers.quant_formats import QUANT_TYPES, dequantize, row_bytes
+
+
+@dataclass(frozen=True)
+class PackedRows:
+    """`data` uint8 `[rows, row_bytes]`: rows of `in_features` weights in `qtype` blocks.
+    Rows may be strided (a window of blocks of each row); a row's bytes are contiguous."""
+
+    qtype: str
+    data: torch.Tensor
+    in_features: int
+
+    def __post_init__(self) -> None:
+        if self.qtype not in QUANT_TYPES:
+            raise ValueError(f"quant type {self.qtype!r}: one of {', '.join(QUANT_TYPES)}")
+        need = row_bytes(self.qtype, self.in_features)
+        data = self.data
+        if data.dtype != torch.uint8 or data.dim() != 2 or data.shape[1] != need:
+            raise ValueError(
+                f"{self.qtype} rows of {self.in_features} weights must be uint8 [rows, {need}], "
+                f"got {data.dtype} {tuple(data.shape)}"
+            )
+        if data.shape[1] > 1 and data.stride(1) != 1:
+            raise ValueError(f"{self.qtype} rows: each row's bytes must be contiguous")
+
+    @classmethod
+    def from_buffer(
+        cls, qtype: str, raw: np.ndarray | torch.Tensor, shape: tuple[int, int]
+    ) -> PackedRows:
+        """A tensor's bytes as a GGUF file stores them (numpy or torch uint8, any shape,
+        contiguous: e.g. `GGUFReader`'s mmap'd `tensor.data`), for the logical `shape`
+        `(out_features, in_features)`. Zero-copy."""
+        data = torch.from_numpy(raw) if isinstance(raw, np.ndarray) else raw
+        rows, cols = shape
+        if data.dtype != torch.uint8 or not data.is_contiguous():
+            raise ValueError(f"{qtype} tensor bytes must be contiguous uint8, got {data.dtype}")
+        if data.numel() != rows * row_bytes(qtype, cols):
+            raise ValueError(
+                f"{qtype} tensor of shape {shape} takes {rows * row_bytes(qtype, cols)} bytes, "
+                f"got {data.numel()}"
+            )
+        return cls(qtype, data.reshape(rows, row_bytes(qtype, cols)), cols)
+
+    @property
+    def num_rows(self) -> int:
+        return self.data.shape[0]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.num_rows, self.in_features)
+
+    def dim(self) -> int:
+        return 2
+
+    def narrow(self, dim: int, start: int, length: int) -> PackedRows:
+        """Rows `start : start + length` (dim 0), or columns (dim 1: whole blocks only)."""
+        if not 0 <= start <= start + length <= self.shape[dim if dim in (0, 1) else 0]:
+            raise ValueError(
+                f"{self.qtype} tensor {self.shape}: no {['rows', 'columns'][dim == 1]} "
+                f"{start}:{start + length} (does the checkpoint fit the model's shapes?)"
+            )
+        if dim == 0:
+            return PackedRows(self.qtype, self.data.narrow(0, start, length), self.in_features)
+        if dim != 1:
+            raise ValueError(f"PackedRows.narrow: dim must be 0 or 1, got {dim}")
+        block, size = QUANT_TYPES[self.qtype][:2]
+        if start % block or length % block:
+            raise ValueError(
+                f"a shard of columns {start}:{start + length} of a {self.qtype} weight is not "
+                f"whole blocks of {block} (row-parallel layers need in_features / tp_size to "
+                f"be a multiple of {block})"
+            )
+        data = self.data.narrow(1, start // block * size, length // block * size)
+        return PackedRows(self.qtype, data, length)
+
+    def take_rows(self, index: torch.Tensor) -> PackedRows:
+        """The rows at `index` (a copy), e.g. to undo llama.cpp's Q/K row permutation."""
+        return PackedRows(self.qtype, self.data.index_select(0, index), self.in_features)
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 `[rows, in_features]` by torch, on the data's device."""
+        return dequantize(self.qtype, self.data, self.in_features)
+
+
+class PackedWeight:
+    """A layer's weight `[out_features, in_features]` as `PackedRows` at row offsets."""
+
+    def __init__(self, out_features: int, in_features: int) -> None:
+        self.out_features, self.in_features = out_features, in_features
+        self.segments: list[tuple[int, PackedRows]] = []
+        self.kernel: str | None = None  # None: by batch size (quant_kernels)
+
+    def put(self, row: int, rows: PackedRows, size: int | None, what: str) -> None:
+        """Place `rows` at `row`; `size` the rows expected there (None: the whole weight)."""
+        want = self.out_features if size is None else size
+        if rows.shape != (want, self.in_features) or not 0 <= row <= self.out_features - want:
+            raise ValueError(
+                f"{what}: packed rows {rows.shape} do not fit rows {row}:{row + want} of a "
+                f"[{self.out_features}, {self.in_features}] weight"
+            )
+        for start, seg in self.segments:
+            if start < row + want and row < start + seg.num_rows:
+                raise ValueError(f"{what}: rows {row}:{row + want} are already loaded")
+        self.segments.append((row, rows))
+        self.segments.sort(key=lambda s: s[0])
+
+    @property
+    def is_complete(self) -> bool:
+        return sum(seg.num_rows for _, seg in self.segments) == self.out_features
+
+    @property
+    def nbytes(self) -> int:
+        return sum(seg.num_rows * seg.data.shape[1] for _, seg in self.segments)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """`x W^T` for x `[..., in_features]`, in x's dtype."""
+        if not self.is_complete:
+            loaded = [(row, row + seg.num_rows) for row, seg in self.segments]
+            raise ValueError(f"packed weight has rows {loaded} of {self.out_features} loaded")
+        lead = x.shape[:-1]
+        flat = x.reshape(-1, self.in_features)
+        if flat.device.type == "cpu" and quant_kernels.unavailable_reason() is None:
+            xf = flat.to(torch.float32).contiguous()
+            y = torch.empty((xf.shape[0], self.out_features), dtype=torch.float32)
+            for row, seg in self.segments:
+                quant_kernels.matmul(
+                    xf,
+                    seg.qtype,
+                    seg.data,
+                    self.in_features,
+                    y[:, row : row + seg.num_rows],
+                    kernel=self.kernel,
+                )
+        else:
+            xf = flat.to(torch.float32)
+            y = torch.cat([xf @ seg.dequantize().T for _, seg in self.segments], dim=-1)
+        return y.to(x.dtype).reshape(*lead, self.out_features)
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 `[out_features, in_features]` (torch)."""
+        return torch.cat([seg.dequantize() for _, seg in self.segments], dim=0)
+
+
+class _Packed:
+    """The packed mode of a `linear` layer: built on the meta device (shapes only), then the
+    bias made real and the weight replaced by a `PackedWeight`."""
+
+    def __init__(self, *args, device: torch.device | None = None, **kwargs) -> None:
+        super().__init__(*args, device=torch.device("meta"), **kwargs)
+        if self.bias is not None:
+            bias = torch.zeros(self.bias.shape, dtype=self.bias.dtype, device=device)
+            self.bias = nn.Parameter(bias, requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+        self.weight = None
+        self.packed = PackedWeight(self.out_features, self.in_features)
+
+    def load_packed(self, rows: PackedRows, shard_id: str | int | None = None) -> None:
+        """Place a checkpoint tensor's packed rows (the whole tensor; sharded here)."""
+        where = self.place(rows, shard_id)
+        self.packed.put(where.row, where.shard, where.size, where.what)
+
+    def prepack(self) -> bool:
+        return False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.packed.matmul(x)
+        return y if self.bias is None else y + self.bias
+
+
+class QuantReplicatedLinear(_Packed, ReplicatedLinear):
+    """`ReplicatedLinear` over packed rows."""
+
+
+class QuantColumnParallelLinear(_Packed, ColumnParallelLinear):
+    """`ColumnParallelLinear` over packed rows (this rank's rows of the tensor)."""
+
+
+class QuantMergedColumnParallelLinear(_Packed, MergedColumnParallelLinear):
+    """`MergedColumnParallelLinear` over packed rows, one tensor per output (any formats)."""
+
+
+class QuantQKVParallelLinear(_Packed, QKVParallelLinear):
+    """`QKVParallelLinear` over packed rows: q, k and v each in their file's format."""
+
+
+class QuantRowParallelLinear(_Packed, RowParallelLinear):
+    """`RowParallelLinear` over packed rows: this rank's window of whole blocks of each row,
+    the partial outputs all-reduced, the bias added once after."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.packed.matmul(x)
+        if self.tp_size > 1:
+            y = self.tp_group.all_reduce(y)
+        return y if self.bias is None else y + self.bias
