@@ -138,6 +138,9 @@ def test_replicated_3d_bf16_and_the_torch_path(monkeypatch):
     layer.load_packed(rows)
     x = torch.randn(2, 3, 96)
     want = x @ rows.dequantize().T
+    # the default kernels round the activations to int8 (per 32 values: ~1% of a dot's scale)
+    torch.testing.assert_close(layer(x), want, rtol=0, atol=3e-2 * want.abs().max().item())
+    layer.packed.kernel = "gemv"  # exact
     assert_close(layer(x), want)
     y = layer(x.to(torch.bfloat16))
     assert y.dtype == torch.bfloat16 and y.shape == (2, 3, 40)

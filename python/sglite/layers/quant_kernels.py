@@ -7,9 +7,11 @@ row-parallel shard is a window of whole blocks of each row: `narrow(1, ...)` of 
 rows), the bytes of a row must be contiguous. This module checks that layout contract,
 keeps the tensors alive for each call and runs the kernels on torch's OpenMP team.
 
-Kernels (`KERNELS`; `None` picks by the number of activation rows): `gemv` (decode; the
-weights dequantized in registers), `gemv_int8`, `gemm_int8` (prefill: activations rounded to
-int8 per 32 values, integer dot products) and `gemm_f32`. Instruction sets: `isas()`,
+Kernels (`KERNELS`): `gemv_int8` and `gemm_int8` round the activations to int8 per 32 values
+and use integer dot products (the GEMV streams W for decode, the GEMM unpacks tiles of W for
+prefill); `gemv` and `gemm_f32` are exact (the weights dequantized to f32 in registers or
+tiles). `None` picks `gemv_int8` up to `gemv_max_rows()` rows, else `gemm_int8` (the fastest
+measured; one rounding of the activations at every batch size). Instruction sets: `isas()`,
 fastest first; `None` is the fastest.
 """
 
@@ -53,7 +55,7 @@ def isas() -> tuple[str, ...]:
 
 
 def gemv_max_rows() -> int:
-    """The most activation rows the automatic choice sends to the GEMV (beyond: int8 tiles)."""
+    """The most activation rows the automatic choice sends to the GEMV (beyond: the tiles)."""
     core = _native()
     return core.GEMV_MAX_ROWS if core is not None else 0
 

@@ -126,20 +126,24 @@ impl Kernel {
         Kernel::ALL.into_iter().find(|k| k.name() == name)
     }
 
-    /// The measured choice for `n` rows of activations (benches/bench_quant_kernels.py):
-    /// up to `GEMV_MAX_ROWS` rows the weights' bytes bound the time and `Gemv` streams them
-    /// once; beyond, the integer tile kernel.
+    /// The measured choice for `n` rows of activations (benches/bench_quant_kernels.py; one
+    /// core, 4096x4096 streamed from DRAM): up to `GEMV_MAX_ROWS` rows the GEMV (int8: at one
+    /// row 15 vs 13 GB/s for f32 on Q4_K, 14 vs 12 on Q6_K; equal at four), beyond it the
+    /// int8 tiles (8 rows: 2.2 ms vs 4.8 for the GEMV; 370 vs 160 GFLOP/s for the f32 tiles
+    /// at 128 rows). Both round the activations alike, so a row's result does not depend on
+    /// the batch it came in (up to f32 summation order); `Gemv` and `GemmF32` are the exact
+    /// kernels, for when that rounding is not wanted.
     pub fn auto(n: usize) -> Kernel {
         if n <= GEMV_MAX_ROWS {
-            Kernel::Gemv
+            Kernel::GemvInt8
         } else {
             Kernel::GemmInt8
         }
     }
 }
 
-/// The most activation rows `Kernel::auto` sends to `Gemv` (its register blocking's limit).
-pub const GEMV_MAX_ROWS: usize = 8;
+/// The most activation rows `Kernel::auto` sends to the GEMV.
+pub const GEMV_MAX_ROWS: usize = 4;
 
 /// A quantized weight matrix borrowed from the file's bytes (see the module doc).
 #[derive(Clone, Copy, Debug)]
@@ -288,8 +292,11 @@ pub fn matmul(
 
 /// Rows of W per GEMV task: enough tasks to balance the threads, each long enough to stream.
 fn gemv_task_rows(rows: usize, threads: usize) -> usize {
-    rows.div_ceil(threads * 8).clamp(4, 64).next_multiple_of(4)
+    rows.div_ceil(threads * 8).clamp(4, MAX_TASK_ROWS)
 }
+
+/// The most rows of W in one GEMV task.
+pub(crate) const MAX_TASK_ROWS: usize = 64;
 
 fn gemv(p: &Problem<'_>, kernel: Kernel, isa: Isa, threads: usize) {
     let acts = (kernel == Kernel::GemvInt8).then(|| act::Acts::quantize(p.x, p.n, p.w.cols));

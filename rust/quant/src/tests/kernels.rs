@@ -164,10 +164,10 @@ fn large_batches_cover_every_tile_remainder() {
 }
 
 #[test]
-fn auto_picks_gemv_for_decode_and_a_tile_kernel_beyond() {
-    assert_eq!(Kernel::auto(1), Kernel::Gemv);
-    assert_eq!(Kernel::auto(crate::GEMV_MAX_ROWS), Kernel::Gemv);
-    assert_ne!(Kernel::auto(crate::GEMV_MAX_ROWS + 1), Kernel::Gemv);
+fn auto_picks_the_gemv_for_decode_and_the_tiles_beyond() {
+    assert_eq!(Kernel::auto(1), Kernel::GemvInt8);
+    assert_eq!(Kernel::auto(crate::GEMV_MAX_ROWS), Kernel::GemvInt8);
+    assert_eq!(Kernel::auto(crate::GEMV_MAX_ROWS + 1), Kernel::GemmInt8);
 }
 
 #[test]

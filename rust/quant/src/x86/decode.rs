@@ -4,7 +4,7 @@
 
 use std::arch::x86_64::*;
 
-use crate::format::{k4_scale_min, QType};
+use crate::format::QType;
 
 /// A block format as the SIMD kernels see it.
 pub(crate) trait Fmt {
@@ -117,6 +117,30 @@ impl Fmt for Q5_1 {
     }
 }
 
+/// Q4_K / Q5_K: the 8 scales `d * sc` and offsets `-dmin * mn` of a super-block, all at once
+/// (the 6-bit fields of `format::k4_scale_min` as 4 bytes per u32 word).
+#[inline(always)]
+unsafe fn k4_scales(b: *const u8) -> ([f32; 8], [f32; 8]) {
+    let word = |i: usize| (b.add(4 + 4 * i) as *const u32).read_unaligned();
+    let (w0, w1, w2) = (word(0), word(1), word(2));
+    let six = 0x3f3f_3f3f;
+    let sc = [w0 & six, (w2 & 0x0f0f_0f0f) | ((w0 >> 2) & 0x3030_3030)];
+    let mn = [
+        w1 & six,
+        ((w2 >> 4) & 0x0f0f_0f0f) | ((w1 >> 2) & 0x3030_3030),
+    ];
+    let widen = |lo: u32, hi: u32| {
+        let bytes = _mm_cvtsi64_si128((u64::from(hi) << 32 | u64::from(lo)) as i64);
+        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes))
+    };
+    let mut out = ([0f32; 8], [0f32; 8]);
+    let d = _mm256_set1_ps(half(b));
+    let dmin = _mm256_set1_ps(-half(b.add(2)));
+    _mm256_storeu_ps(out.0.as_mut_ptr(), _mm256_mul_ps(widen(sc[0], sc[1]), d));
+    _mm256_storeu_ps(out.1.as_mut_ptr(), _mm256_mul_ps(widen(mn[0], mn[1]), dmin));
+    out
+}
+
 /// Q4_K and Q5_K: 8 groups of 32 under one f16 scale and min, 6-bit scales and mins each;
 /// with `FIFTH`, the fifth bits of group j are bit j of the 32 bytes at offset 16.
 #[inline(always)]
@@ -124,8 +148,7 @@ unsafe fn decode_k4<const FIFTH: bool>(
     b: *const u8,
     mut f: impl FnMut(usize, __m256i, [f32; 2], [f32; 2]),
 ) {
-    let (d, dmin) = (half(b), half(b.add(2)));
-    let scales = std::slice::from_raw_parts(b.add(4), 12);
+    let (scales, mins) = k4_scales(b);
     let low = _mm256_set1_epi8(0x0f);
     let qh = if FIFTH {
         load32(b.add(16))
@@ -147,8 +170,7 @@ unsafe fn decode_k4<const FIFTH: bool>(
                 let set = _mm256_cmpeq_epi8(_mm256_and_si256(qh, bit), bit);
                 q = _mm256_or_si256(q, _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
             }
-            let (sc, mn) = k4_scale_min(scales, j);
-            f(j, q, [d * f32::from(sc); 2], [-(dmin * f32::from(mn)); 2]);
+            f(j, q, [scales[j]; 2], [mins[j]; 2]);
         }
     }
 }

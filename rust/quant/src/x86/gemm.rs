@@ -23,7 +23,9 @@ use super::simd::{F32Lanes, IntLanes};
 use crate::act::Acts;
 use crate::{Problem, TILE_ROWS};
 
-/// The levels of a tile of W, as `IntLanes::dot4` reads them.
+/// The levels of a tile of W, as `IntLanes::dot4` reads them. Lanes of rows past the end of
+/// W hold stale (initialized) values of an earlier tile: their results are never written.
+#[derive(Default)]
 pub(crate) struct Int8Tile {
     q: Vec<u8>,
     /// `[groups][2 halves][32 rows]`.
@@ -35,23 +37,29 @@ pub(crate) struct Int8Tile {
     signed: bool,
 }
 
+thread_local! {
+    /// Each thread's tile, reused from call to call (no allocation or zeroing per tile).
+    pub(crate) static TILE: std::cell::RefCell<Int8Tile> = std::cell::RefCell::default();
+}
+
 const GROUP_BYTES: usize = 32 * TILE_ROWS;
 
-/// SAFETY: AVX2 (and the lanes' features); `rows` has at most 32 rows of `p.w`.
+/// Rows `rows` of W (at most 32) into `tile`.
+/// SAFETY: AVX2 (and the lanes' features).
 #[inline(always)]
 pub(crate) unsafe fn pack_int8<L: IntLanes, F: Fmt>(
     p: &Problem<'_>,
     rows: Range<usize>,
-) -> Int8Tile {
+    tile: &mut Int8Tile,
+) {
     let groups = p.w.cols / 32;
     let unsigned = F::SIGNED && !L::NARROW;
-    let mut tile = Int8Tile {
-        q: vec![0; groups * GROUP_BYTES],
-        scale: vec![0.0; groups * 2 * TILE_ROWS],
-        offset: vec![0.0; groups * 2 * TILE_ROWS],
-        zero: if unsigned { 128 } else { F::ZERO },
-        signed: F::SIGNED && L::NARROW,
-    };
+    let grow = |v: &mut Vec<f32>| v.resize(v.len().max(groups * 2 * TILE_ROWS), 0.0);
+    tile.q.resize(tile.q.len().max(groups * GROUP_BYTES), 0);
+    grow(&mut tile.scale);
+    grow(&mut tile.offset);
+    tile.zero = if unsigned { 128 } else { F::ZERO };
+    tile.signed = F::SIGNED && L::NARROW;
     let (dst, scale, offset) = (
         tile.q.as_mut_ptr(),
         tile.scale.as_mut_ptr(),
@@ -60,10 +68,10 @@ pub(crate) unsafe fn pack_int8<L: IntLanes, F: Fmt>(
     let per_block = F::LEN / 32;
     // 8 rows at a time: their levels of a block side by side, then each group's 8 x 8
     // words transposed so that 4 levels of 8 rows are one 32-byte store.
+    let mut levels = [[_mm256_setzero_si256(); 8]; 8]; // [row][group of the block]
     for i0 in (0..rows.len()).step_by(8) {
         let height = (rows.len() - i0).min(8);
         for b in 0..p.w.num_blocks() {
-            let mut levels = [[_mm256_setzero_si256(); 8]; 8]; // [row][group of the block]
             for (i, row_levels) in levels.iter_mut().enumerate().take(height) {
                 let row = p.w.row(rows.start + i0 + i).as_ptr();
                 // 8 rows read side by side outrun the hardware prefetcher (2x slower from
@@ -99,7 +107,6 @@ pub(crate) unsafe fn pack_int8<L: IntLanes, F: Fmt>(
             }
         }
     }
-    tile
 }
 
 /// The 8 x 8 matrix of 32-bit words in 8 registers, transposed.

@@ -2,8 +2,9 @@
 //! every row of x (up to 8 rows at once; more go in passes of 8).
 //!
 //! `Gemv` turns a group's levels into 32 f32 weights (one FMA per vector: `scale * q +
-//! offset`) and FMAs them into each row's accumulators; with one or two rows of x it works
-//! on 4 or 2 rows of W at once so that enough FMA chains are in flight. `GemvInt8` takes the
+//! offset`) and FMAs them into each row's accumulators, one row of W after the other (4 rows
+//! of W side by side, for more FMA chains in flight, streamed from DRAM at a third of the
+//! speed: 3 vs 11 GB/s, Q4_K 4096x4096, one core). `GemvInt8` takes the
 //! group's levels as they are into an integer dot product with the row's int8 activations
 //! (8 lanes of 4 products), then one FMA by `scale_w * scale_x`; offsets meet the sums of x.
 
@@ -13,11 +14,10 @@ use std::ops::Range;
 use super::decode::Fmt;
 use super::simd::{Dot, F32Lanes};
 use crate::act::Acts;
-use crate::Problem;
+use crate::{Problem, MAX_TASK_ROWS};
 
-/// How far ahead of a block its row is prefetched (the hardware prefetcher alone fell behind
-/// when several rows are read side by side).
-const PREFETCH_AHEAD: usize = 1024;
+/// How far ahead of a block its row is prefetched.
+const PREFETCH_AHEAD: usize = 2048;
 
 #[inline(always)]
 unsafe fn prefetch(p: *const u8) {
@@ -27,61 +27,59 @@ unsafe fn prefetch(p: *const u8) {
 /// Rows of x per pass.
 pub(crate) const MAX_N: usize = 8;
 
-/// SAFETY: `p` checked by `matmul`; `L` (and the caller's target features) available; no
-/// other thread writes columns `rows` of y; `x0` + `N` <= `p.n`.
+/// Columns per pass over a task's rows: the `N` rows of x that many columns take stay in L1
+/// (`X_CHUNK_BYTES`) while every row of W meets them; whole blocks.
 #[inline(always)]
-pub(crate) unsafe fn gemv_f32<L: F32Lanes, F: Fmt, const N: usize, const R: usize>(
+fn chunk_cols<F: Fmt>(n: usize, elem_bytes: usize, cols: usize) -> usize {
+    (X_CHUNK_BYTES / (n * elem_bytes) / F::LEN * F::LEN).clamp(F::LEN, cols)
+}
+
+/// Of L1's 48 KiB, what a chunk of x may take: at 8 rows of 4096 f32 columns x is 128 KiB
+/// and every row of W read it from L2 again (4.7 ms a call where one row of x takes 0.8).
+const X_CHUNK_BYTES: usize = 24 << 10;
+
+/// SAFETY: `p` checked by `matmul`; `L` (and the caller's target features) available; no
+/// other thread writes columns `rows` of y (at most `MAX_TASK_ROWS`); `x0 + N <= p.n`.
+#[inline(always)]
+pub(crate) unsafe fn gemv_f32<L: F32Lanes, F: Fmt, const N: usize>(
     p: &Problem<'_>,
     rows: Range<usize>,
     x0: usize,
 ) {
     let cols = p.w.cols;
     let x = p.x.as_ptr().add(x0 * cols);
-    let mut o = rows.start;
-    while o + R <= rows.end {
-        rows_f32::<L, F, N, R>(p, o, x, x0);
-        o += R;
-    }
-    while o < rows.end {
-        rows_f32::<L, F, N, 1>(p, o, x, x0);
-        o += 1;
-    }
-}
-
-/// Rows `o .. o + R` of W against rows `x0 .. x0 + N` of x (at `x`).
-#[inline(always)]
-unsafe fn rows_f32<L: F32Lanes, F: Fmt, const N: usize, const R: usize>(
-    p: &Problem<'_>,
-    o: usize,
-    x: *const f32,
-    x0: usize,
-) {
-    let cols = p.w.cols;
-    let mut acc = [[[L::zero(); 2]; N]; R];
-    let rows: [*const u8; R] = std::array::from_fn(|i| p.w.row(o + i).as_ptr());
-    for b in 0..p.w.num_blocks() {
-        for (i, row) in rows.iter().enumerate() {
-            prefetch(row.add(b * F::BYTES + PREFETCH_AHEAD));
-            F::decode(
-                row.add(b * F::BYTES),
-                #[inline(always)]
-                |g, q, s, m| {
-                    let k = b * F::LEN + 32 * g;
-                    let weights = L::weights(q, F::SIGNED, s, m);
-                    for (j, wv) in weights.iter().enumerate().take(L::PER_GROUP) {
-                        for (r, acc_r) in acc[i].iter_mut().enumerate() {
-                            let xv = L::load(x.add(r * cols + k + j * L::WIDTH));
-                            acc_r[j % 2] = L::fmadd(*wv, xv, acc_r[j % 2]);
+    let mut sums = [[0f32; N]; MAX_TASK_ROWS];
+    let chunk = chunk_cols::<F>(N, 4, cols);
+    for k0 in (0..cols).step_by(chunk) {
+        let blocks = k0 / F::LEN..(k0 + chunk).min(cols) / F::LEN;
+        for (o, sums_o) in rows.clone().zip(sums.iter_mut()) {
+            let mut acc = [[L::zero(); 2]; N];
+            let row = p.w.row(o).as_ptr();
+            for b in blocks.clone() {
+                prefetch(row.add(b * F::BYTES + PREFETCH_AHEAD));
+                F::decode(
+                    row.add(b * F::BYTES),
+                    #[inline(always)]
+                    |g, q, s, m| {
+                        let k = b * F::LEN + 32 * g;
+                        let weights = L::weights(q, F::SIGNED, s, m);
+                        for (j, wv) in weights.iter().enumerate().take(L::PER_GROUP) {
+                            for (r, acc_r) in acc.iter_mut().enumerate() {
+                                let xv = L::load(x.add(r * cols + k + j * L::WIDTH));
+                                acc_r[j % 2] = L::fmadd(*wv, xv, acc_r[j % 2]);
+                            }
                         }
-                    }
-                },
-            );
+                    },
+                );
+            }
+            for (sum, acc_r) in sums_o.iter_mut().zip(&acc) {
+                *sum += L::sum(L::add(acc_r[0], acc_r[1]));
+            }
         }
     }
-    for (i, acc_i) in acc.iter().enumerate() {
-        for (r, acc_r) in acc_i.iter().enumerate() {
-            let y = p.y.0.add((x0 + r) * p.ld_y + o + i);
-            *y = L::sum(L::add(acc_r[0], acc_r[1]));
+    for (o, sums_o) in rows.zip(&sums) {
+        for (r, sum) in sums_o.iter().enumerate() {
+            *p.y.0.add((x0 + r) * p.ld_y + o) = *sum;
         }
     }
 }

@@ -69,15 +69,6 @@ macro_rules! with_n {
     };
 }
 
-/// Rows of W decoded together per row count of x: enough FMA chains in flight.
-const fn rows_at_once(n: usize) -> usize {
-    match n {
-        1 => 4,
-        2 => 2,
-        _ => 1,
-    }
-}
-
 macro_rules! avx512 {
     ($(#[$doc:meta])* fn $name:ident<$($g:ident: $b:path),*; $(const $c:ident: usize),*>($($arg:ident: $ty:ty),*) $body:block) => {
         $(#[$doc])*
@@ -94,11 +85,11 @@ macro_rules! avx2 {
     };
 }
 
-avx512! { fn gemv_f32_512<F: Fmt; const N: usize, const R: usize>(p: &Problem<'_>, rows: Range<usize>, x0: usize) {
-    gemv::gemv_f32::<Avx512, F, N, R>(p, rows, x0)
+avx512! { fn gemv_f32_512<F: Fmt; const N: usize>(p: &Problem<'_>, rows: Range<usize>, x0: usize) {
+    gemv::gemv_f32::<Avx512, F, N>(p, rows, x0)
 }}
-avx2! { fn gemv_f32_256<F: Fmt; const N: usize, const R: usize>(p: &Problem<'_>, rows: Range<usize>, x0: usize) {
-    gemv::gemv_f32::<Avx2, F, N, R>(p, rows, x0)
+avx2! { fn gemv_f32_256<F: Fmt; const N: usize>(p: &Problem<'_>, rows: Range<usize>, x0: usize) {
+    gemv::gemv_f32::<Avx2, F, N>(p, rows, x0)
 }}
 avx512! { fn gemv_int8_512<F: Fmt; const N: usize>(p: &Problem<'_>, a: &Acts, rows: Range<usize>, x0: usize) {
     gemv::gemv_int8::<Vnni, F, N>(p, a, rows, x0)
@@ -114,11 +105,10 @@ pub(crate) unsafe fn gemv_f32(p: &Problem<'_>, rows: Range<usize>, isa: Isa) {
     while x0 < p.n {
         let n = (p.n - x0).min(gemv::MAX_N);
         with_fmt!(p.w.qtype, F => with_n!(n, N => {
-            const R: usize = rows_at_once(N);
             if isa == Isa::Avx512 {
-                gemv_f32_512::<F, N, R>(p, rows.clone(), x0)
+                gemv_f32_512::<F, N>(p, rows.clone(), x0)
             } else {
-                gemv_f32_256::<F, N, R>(p, rows.clone(), x0)
+                gemv_f32_256::<F, N>(p, rows.clone(), x0)
             }
         }));
         x0 += n;
@@ -167,12 +157,16 @@ unsafe fn gemm_int8_body<L: IntLanes, F: Fmt, const MR: usize>(
     acts: &Acts,
     rows: Range<usize>,
 ) {
-    let tile = gemm::pack_int8::<L, F>(p, rows.clone());
     let mut out = vec![0f32; p.n * TILE_ROWS];
+    // The thread's own tile, by pointer: a closure (`with_borrow_mut`) would not be inlined
+    // into this function and would run without its target features (10x slower).
+    // SAFETY: nothing else on this thread touches the tile during the call (no re-entry).
+    let tile = &mut *gemm::TILE.with(|t| t.as_ptr());
+    gemm::pack_int8::<L, F>(p, rows.clone(), tile);
     if F::HALVES {
-        int8_rows::<L, true, MR>(p, &tile, acts, &mut out);
+        int8_rows::<L, true, MR>(p, tile, acts, &mut out);
     } else {
-        int8_rows::<L, false, MR>(p, &tile, acts, &mut out);
+        int8_rows::<L, false, MR>(p, tile, acts, &mut out);
     }
     gemm::write_out(p, rows, &out);
 }
