@@ -257,14 +257,20 @@ pub fn matmul(
     run: Run,
 ) -> Result<Kernel, QuantError> {
     check_isa(run.isa)?;
-    if x.len() != n * w.cols {
+    if n.checked_mul(w.cols) != Some(x.len()) {
         return err(format!(
             "x has {} values, not n * in_features = {n} * {}",
             x.len(),
             w.cols
         ));
     }
-    if ld_y < w.rows || (n > 0 && y.len() < (n - 1) * ld_y + w.rows) {
+    let y_need = match n {
+        0 => Some(0),
+        _ => (n - 1)
+            .checked_mul(ld_y)
+            .and_then(|v| v.checked_add(w.rows)),
+    };
+    if ld_y < w.rows || y_need.is_none_or(|need| y.len() < need) {
         return err(format!(
             "y ({} values, rows {ld_y} apart) cannot hold {n} rows of {} outputs",
             y.len(),
@@ -292,11 +298,8 @@ pub fn matmul(
 
 /// Rows of W per GEMV task: enough tasks to balance the threads, each long enough to stream.
 fn gemv_task_rows(rows: usize, threads: usize) -> usize {
-    rows.div_ceil(threads * 8).clamp(4, MAX_TASK_ROWS)
+    rows.div_ceil(threads * 8).clamp(4, 64)
 }
-
-/// The most rows of W in one GEMV task.
-pub(crate) const MAX_TASK_ROWS: usize = 64;
 
 fn gemv(p: &Problem<'_>, kernel: Kernel, isa: Isa, threads: usize) {
     let acts = (kernel == Kernel::GemvInt8).then(|| act::Acts::quantize(p.x, p.n, p.w.cols));
@@ -350,7 +353,7 @@ pub fn dequantize(
     threads: usize,
 ) -> Result<(), QuantError> {
     check_isa(isa)?;
-    if out.len() != w.rows * w.cols {
+    if w.rows.checked_mul(w.cols) != Some(out.len()) {
         return err(format!(
             "out has {} values, not rows * in_features = {} * {}",
             out.len(),

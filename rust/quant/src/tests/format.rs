@@ -128,4 +128,8 @@ fn layout_errors_are_reported() {
     assert!(crate::matmul(&w, &[0.0; 64], 1, &mut y, 1, run).is_err());
     assert!(crate::matmul(&w, &[0.0; 128], 2, &mut y, 2, run).is_err());
     assert!(crate::matmul(&w, &[0.0; 64], 1, &mut y, 2, run).is_ok());
+    // sizes whose products overflow are errors too, not wrapped
+    let huge = usize::MAX / 32 + 2;
+    assert!(crate::matmul(&w, &[0.0; 64], huge, &mut y, 2, run).is_err());
+    assert!(crate::matmul(&w, &[], 0, &mut y, usize::MAX, run).is_ok()); // n = 0: no rows
 }

@@ -4,9 +4,9 @@
 //! `Gemv` turns a group's levels into 32 f32 weights (one FMA per vector: `scale * q +
 //! offset`) and FMAs them into each row's accumulators, one row of W after the other (4 rows
 //! of W side by side, for more FMA chains in flight, streamed from DRAM at a third of the
-//! speed: 3 vs 11 GB/s, Q4_K 4096x4096, one core). `GemvInt8` takes the
-//! group's levels as they are into an integer dot product with the row's int8 activations
-//! (8 lanes of 4 products), then one FMA by `scale_w * scale_x`; offsets meet the sums of x.
+//! speed: 3 vs 11 GB/s, Q4_K 4096x4096, one core). `GemvInt8` takes the group's levels as
+//! they are into an integer dot product with the row's int8 activations (8 lanes of 4
+//! products), then one FMA by `scale_w * scale_x`; offsets meet the sums of x.
 
 use std::arch::x86_64::*;
 use std::ops::Range;
@@ -14,9 +14,10 @@ use std::ops::Range;
 use super::decode::Fmt;
 use super::simd::{Dot, F32Lanes};
 use crate::act::Acts;
-use crate::{Problem, MAX_TASK_ROWS};
+use crate::Problem;
 
-/// How far ahead of a block its row is prefetched.
+/// How far ahead of a block its row is prefetched: without, 2 rows of x took 1.7x as long
+/// per row of W as with (Q4_0 4096x4096 from DRAM, one core).
 const PREFETCH_AHEAD: usize = 2048;
 
 #[inline(always)]
@@ -27,19 +28,8 @@ unsafe fn prefetch(p: *const u8) {
 /// Rows of x per pass.
 pub(crate) const MAX_N: usize = 8;
 
-/// Columns per pass over a task's rows: the `N` rows of x that many columns take stay in L1
-/// (`X_CHUNK_BYTES`) while every row of W meets them; whole blocks.
-#[inline(always)]
-fn chunk_cols<F: Fmt>(n: usize, elem_bytes: usize, cols: usize) -> usize {
-    (X_CHUNK_BYTES / (n * elem_bytes) / F::LEN * F::LEN).clamp(F::LEN, cols)
-}
-
-/// Of L1's 48 KiB, what a chunk of x may take: at 8 rows of 4096 f32 columns x is 128 KiB
-/// and every row of W read it from L2 again (4.7 ms a call where one row of x takes 0.8).
-const X_CHUNK_BYTES: usize = 24 << 10;
-
 /// SAFETY: `p` checked by `matmul`; `L` (and the caller's target features) available; no
-/// other thread writes columns `rows` of y (at most `MAX_TASK_ROWS`); `x0 + N <= p.n`.
+/// other thread writes columns `rows` of y; `x0 + N <= p.n`.
 #[inline(always)]
 pub(crate) unsafe fn gemv_f32<L: F32Lanes, F: Fmt, const N: usize>(
     p: &Problem<'_>,
@@ -48,38 +38,28 @@ pub(crate) unsafe fn gemv_f32<L: F32Lanes, F: Fmt, const N: usize>(
 ) {
     let cols = p.w.cols;
     let x = p.x.as_ptr().add(x0 * cols);
-    let mut sums = [[0f32; N]; MAX_TASK_ROWS];
-    let chunk = chunk_cols::<F>(N, 4, cols);
-    for k0 in (0..cols).step_by(chunk) {
-        let blocks = k0 / F::LEN..(k0 + chunk).min(cols) / F::LEN;
-        for (o, sums_o) in rows.clone().zip(sums.iter_mut()) {
-            let mut acc = [[L::zero(); 2]; N];
-            let row = p.w.row(o).as_ptr();
-            for b in blocks.clone() {
-                prefetch(row.add(b * F::BYTES + PREFETCH_AHEAD));
-                F::decode(
-                    row.add(b * F::BYTES),
-                    #[inline(always)]
-                    |g, q, s, m| {
-                        let k = b * F::LEN + 32 * g;
-                        let weights = L::weights(q, F::SIGNED, s, m);
-                        for (j, wv) in weights.iter().enumerate().take(L::PER_GROUP) {
-                            for (r, acc_r) in acc.iter_mut().enumerate() {
-                                let xv = L::load(x.add(r * cols + k + j * L::WIDTH));
-                                acc_r[j % 2] = L::fmadd(*wv, xv, acc_r[j % 2]);
-                            }
+    for o in rows {
+        let mut acc = [[L::zero(); 2]; N];
+        let row = p.w.row(o).as_ptr();
+        for b in 0..p.w.num_blocks() {
+            prefetch(row.add(b * F::BYTES + PREFETCH_AHEAD));
+            F::decode(
+                row.add(b * F::BYTES),
+                #[inline(always)]
+                |g, q, s, m| {
+                    let k = b * F::LEN + 32 * g;
+                    let weights = L::weights(q, F::SIGNED, s, m);
+                    for (j, wv) in weights.iter().enumerate().take(L::PER_GROUP) {
+                        for (r, acc_r) in acc.iter_mut().enumerate() {
+                            let xv = L::load(x.add(r * cols + k + j * L::WIDTH));
+                            acc_r[j % 2] = L::fmadd(*wv, xv, acc_r[j % 2]);
                         }
-                    },
-                );
-            }
-            for (sum, acc_r) in sums_o.iter_mut().zip(&acc) {
-                *sum += L::sum(L::add(acc_r[0], acc_r[1]));
-            }
+                    }
+                },
+            );
         }
-    }
-    for (o, sums_o) in rows.zip(&sums) {
-        for (r, sum) in sums_o.iter().enumerate() {
-            *p.y.0.add((x0 + r) * p.ld_y + o) = *sum;
+        for (r, acc_r) in acc.iter().enumerate() {
+            *p.y.0.add((x0 + r) * p.ld_y + o) = L::sum(L::add(acc_r[0], acc_r[1]));
         }
     }
 }
