@@ -91,6 +91,36 @@ def _row_stride(t: torch.Tensor) -> int:
     return t.stride(0) if t.shape[0] > 1 else t.shape[1]
 
 
+class Prepared:
+    """A weight checked once (`check_weight`) for many calls: the layers' path, which then
+    pays one native call per segment and nothing else (a decode step makes hundreds)."""
+
+    def __init__(self, qtype: str, weight: torch.Tensor, in_features: int) -> None:
+        core = _native()
+        if core is None:
+            raise ValueError(unavailable_reason())
+        check_weight(qtype, weight, in_features)
+        self.core, self.weight, self.rows = core, weight, weight.shape[0]
+        self.args = (qtype, _span(weight), self.rows, in_features, _row_stride(weight))
+
+    def run(
+        self,
+        x: torch.Tensor,
+        out: torch.Tensor,
+        col: int,
+        kernel: str | None,
+        num_threads: int,
+        isa: str | None = None,
+    ) -> None:
+        """`out[:, col : col + rows] = x W^T`. The caller guarantees x float32 `[n, in]`
+        contiguous and out float32 `[n, ld]` contiguous, both on the CPU (the native side
+        checks every size again)."""
+        n, ld = out.shape
+        span = (out.data_ptr() + 4 * col, (n - 1) * ld + self.rows if n else 0)
+        x_raw = (x.data_ptr(), x.numel())
+        self.core.quant_matmul(*self.args, x_raw, n, span, ld, isa, kernel, num_threads)
+
+
 def matmul(
     x: torch.Tensor,
     qtype: str,
@@ -105,15 +135,12 @@ def matmul(
     """`x W^T` for x float32 `[n, in_features]` (contiguous). Writes `out` `[n, rows]` (float32,
     rows of it may be strided: a column slice of a wider output) when given, else a new
     tensor; returns it."""
-    core = _native()
-    if core is None:
-        raise ValueError(unavailable_reason())
-    check_weight(qtype, weight, in_features)
+    prepared = Prepared(qtype, weight, in_features)
     if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != in_features:
         raise ValueError(f"x must be float32 [n, {in_features}], got {x.dtype} {tuple(x.shape)}")
     if x.device.type != "cpu" or not x.is_contiguous():
         raise ValueError("x must be a contiguous CPU tensor")
-    rows = weight.shape[0]
+    rows = prepared.rows
     if out is None:
         out = torch.empty((x.shape[0], rows), dtype=torch.float32)
     elif (
@@ -128,12 +155,8 @@ def matmul(
         )
     if kernel is not None and kernel not in KERNELS:
         raise ValueError(f"kernel {kernel!r}: one of {', '.join(KERNELS)}")
-    core.quant_matmul(
-        qtype,
-        _span(weight),
-        rows,
-        in_features,
-        _row_stride(weight),
+    prepared.core.quant_matmul(
+        *prepared.args,
         (x.data_ptr(), x.numel()),
         x.shape[0],
         _span(out),

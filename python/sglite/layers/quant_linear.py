@@ -123,6 +123,7 @@ class PackedWeight:
         self.out_features, self.in_features = out_features, in_features
         self.segments: list[tuple[int, PackedRows]] = []
         self.kernel: str | None = None  # None: by batch size (quant_kernels)
+        self._native: list[tuple[int, quant_kernels.Prepared]] | None = None
 
     def put(self, row: int, rows: PackedRows, size: int | None, what: str) -> None:
         """Place `rows` at `row`; `size` the rows expected there (None: the whole weight)."""
@@ -137,6 +138,7 @@ class PackedWeight:
                 raise ValueError(f"{what}: rows {row}:{row + want} are already loaded")
         self.segments.append((row, rows))
         self.segments.sort(key=lambda s: s[0])
+        self._native = None
 
     @property
     def is_complete(self) -> bool:
@@ -148,27 +150,36 @@ class PackedWeight:
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """`x W^T` for x `[..., in_features]`, in x's dtype."""
-        if not self.is_complete:
+        if self._native is None and not self.is_complete:
             loaded = [(row, row + seg.num_rows) for row, seg in self.segments]
             raise ValueError(f"packed weight has rows {loaded} of {self.out_features} loaded")
-        lead = x.shape[:-1]
-        flat = x.reshape(-1, self.in_features)
-        if flat.device.type == "cpu" and quant_kernels.unavailable_reason() is None:
-            xf = flat.to(torch.float32).contiguous()
-            y = torch.empty((xf.shape[0], self.out_features), dtype=torch.float32)
-            for row, seg in self.segments:
-                quant_kernels.matmul(
-                    xf,
-                    seg.qtype,
-                    seg.data,
-                    self.in_features,
-                    y[:, row : row + seg.num_rows],
-                    kernel=self.kernel,
-                )
+        # Each torch op costs microseconds and a decode step runs hundreds of these: the
+        # common case (2-D contiguous float32) goes straight to the kernels.
+        flat = x if x.dim() == 2 else x.reshape(-1, self.in_features)
+        native = self._prepared() if flat.device.type == "cpu" else None
+        if native is not None:
+            if flat.dtype != torch.float32 or not flat.is_contiguous():
+                flat = flat.to(torch.float32).contiguous()
+            y = torch.empty((flat.shape[0], self.out_features), dtype=torch.float32)
+            threads = torch.get_num_threads()
+            for row, prepared in native:
+                prepared.run(flat, y, row, self.kernel, threads)
         else:
-            xf = flat.to(torch.float32)
-            y = torch.cat([xf @ seg.dequantize().T for _, seg in self.segments], dim=-1)
-        return y.to(x.dtype).reshape(*lead, self.out_features)
+            flat = flat.to(torch.float32)
+            y = torch.cat([flat @ seg.dequantize().T for _, seg in self.segments], dim=-1)
+        if y.dtype != x.dtype:
+            y = y.to(x.dtype)
+        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
+
+    def _prepared(self) -> list[tuple[int, quant_kernels.Prepared]] | None:
+        """The segments checked for the native kernels (once), or None without them."""
+        if self._native is None and quant_kernels.unavailable_reason() is None:
+            if all(seg.data.device.type == "cpu" for _, seg in self.segments):
+                self._native = [
+                    (row, quant_kernels.Prepared(seg.qtype, seg.data, self.in_features))
+                    for row, seg in self.segments
+                ]
+        return self._native
 
     def dequantize(self) -> torch.Tensor:
         """float32 `[out_features, in_features]` (torch)."""
