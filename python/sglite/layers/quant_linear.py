@@ -18,6 +18,7 @@ for prefill); elsewhere, or without the native module, the weight dequantized by
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -62,9 +63,15 @@ class PackedRows:
         cls, qtype: str, raw: np.ndarray | torch.Tensor, shape: tuple[int, int]
     ) -> PackedRows:
         """A tensor's bytes as a GGUF file stores them (numpy or torch uint8, any shape,
-        contiguous: e.g. `GGUFReader`'s mmap'd `tensor.data`), for the logical `shape`
-        `(out_features, in_features)`. Zero-copy."""
-        data = torch.from_numpy(raw) if isinstance(raw, np.ndarray) else raw
+        contiguous: e.g. `GGUFReader`'s mmap'd `tensor.data`, read-only), for the logical
+        `shape` `(out_features, in_features)` (GGUF lists the dims the other way round).
+        Zero-copy."""
+        if isinstance(raw, np.ndarray):
+            with warnings.catch_warnings():  # a read-only mmap: nothing here writes to it
+                warnings.filterwarnings("ignore", message=".*not writable.*")
+                data = torch.from_numpy(raw)
+        else:
+            data = raw
         rows, cols = shape
         if data.dtype != torch.uint8 or not data.is_contiguous():
             raise ValueError(f"{qtype} tensor bytes must be contiguous uint8, got {data.dtype}")
