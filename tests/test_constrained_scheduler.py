@@ -145,7 +145,10 @@ def run(
         tokenizer=tokenizer,
     )
     handles = {rid: sched.add_request(GenerateReq(rid, ids, sp)) for rid, ids, sp, _ in reqs}
-    sched.run_until_idle()
+    try:
+        sched.run_until_idle()
+    finally:
+        sched.grammars.shutdown()  # its compile processes
     sched.cache.check_idle()
     got: dict[str, dict] = {}
     for msg in outputs:

@@ -155,3 +155,21 @@ def test_max_new_tokens_limit_is_static_and_validated(core):
     ):
         with pytest.raises(ValueError):
             limit(*bad)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_shortfall_is_how_far_add_req_is_from_admitting(core, page_size):
+    b = core.PrefillBudget(page_size, rem_input_tokens=100_000)
+    b.reserve_running([1000, 9000], [True, True], 0.7)  # 1000 + 4096 (clipped), exact
+    assert b.shortfall(20_000, 100, 50) == 0  # fits
+    short = b.shortfall(5_000, 100, 50)
+    assert short == 1000 + 4096 + 100 + 50 + page_size + 1 - 5_000
+    for extra, admitted in ((short, True), (short - 1, False)):
+        trial = core.PrefillBudget(page_size, 100_000, None, b.total_offset)
+        assert trial.add_req(5_000 + extra, 0, 100, 50)[0] == admitted
+    assert b.shortfall(5_000, 100, 10**6) == b.shortfall(5_000, 100, 4096)  # clipped
+    assert b.total_offset == 5096 and b.num_admitted == 0  # charges nothing
+    with pytest.raises(ValueError):
+        b.shortfall(100, 0, 1)
+    with pytest.raises(ValueError):
+        b.shortfall(-1, 1, 1)

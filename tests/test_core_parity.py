@@ -463,6 +463,16 @@ class BudgetParity(RuleBasedStateMachine):
         over = min(max_new, PY.CLIP_MAX_NEW_TOKENS) > limit
         assert (outcome[1] == PY.AddReqResult.NO_TOKEN and not outcome[0]) == over, outcome
 
+    @rule(available=st.integers(-1, 20000), extend=SIZES, max_new=SIZES)
+    def shortfall(self, available: int, extend: int, max_new: int) -> None:
+        short = self.budget.call("shortfall", available, extend, max_new)
+        if isinstance(short, Failed) or short == 0:
+            return
+        # add_req's edge: `short` more tokens admit it, one fewer do not
+        for extra, admitted in ((short, True), (short - 1, False)):
+            trial = PY.PrefillBudget(self.ps, 10**12, None, self.budget.py.total_offset)
+            assert trial.add_req(available + extra, 0, extend, max_new)[0] == admitted
+
     @rule(
         available=st.integers(-1, 20000),
         prefix=st.integers(-1, 3000),

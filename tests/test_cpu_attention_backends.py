@@ -15,35 +15,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from fixtures.attn_world import LAYER, World
+from fixtures.attn_world import LAYER, World, reference
 from sglite.attention.cpu import CpuAttnBackend
 from sglite.attention.torch_native import TorchNativeAttnBackend
 
 BACKENDS = [TorchNativeAttnBackend, CpuAttnBackend]
-
-
-def _reference(world: World, q: torch.Tensor, batch) -> torch.Tensor:
-    """The definition, one query token at a time, in float64."""
-    group = LAYER.num_heads // LAYER.num_kv_heads
-    k_buf = world.kv_pool.k_buffer[LAYER.layer_id].double()
-    v_buf = world.kv_pool.v_buffer[LAYER.layer_id].double()
-    out = torch.empty(q.shape, dtype=torch.float64)
-    t = 0
-    if batch.forward_mode.is_decode():
-        prefix, ext = [n - 1 for n in batch.seq_lens_cpu], [1] * batch.batch_size
-    else:
-        prefix, ext = batch.extend_prefix_lens_cpu, batch.extend_seq_lens_cpu
-    for i in range(batch.batch_size):
-        slots = world.slots[i]
-        for j in range(ext[i]):
-            pos = prefix[i] + j
-            keys = k_buf[slots[: pos + 1]]  # [pos+1, kv_heads, D]
-            values = v_buf[slots[: pos + 1]]
-            for h in range(LAYER.num_heads):
-                scores = keys[:, h // group] @ q[t, h].double() * LAYER.scaling
-                out[t, h] = torch.softmax(scores, 0) @ values[:, h // group]
-            t += 1
-    return out
 
 
 def _run(world: World, batch, backend_cls) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,7 +29,7 @@ def _run(world: World, batch, backend_cls) -> tuple[torch.Tensor, torch.Tensor]:
     backend.save_kv(LAYER, batch, k, v)
     got = backend.forward(q, k, v, LAYER, batch)
     assert got.shape == q.shape and got.dtype == q.dtype
-    return got, _reference(world, q, batch)
+    return got, reference(world, q, batch)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

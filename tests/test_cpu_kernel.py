@@ -17,16 +17,22 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _reference(q, k, v, table, rows, seq_lens, scale):
+def _reference(q, k, v, table, rows, seq_lens, scale, window=None, logit_cap=0.0, sinks=None):
     n, num_heads, _ = q.shape
     group = num_heads // k.shape[1]
     out = torch.empty(q.shape, dtype=torch.float64)
     for i in range(n):
-        slots = table[rows[i], : seq_lens[i]].long()
+        first = 0 if window is None else max(0, int(seq_lens[i]) - window)
+        slots = table[rows[i], first : seq_lens[i]].long()
         keys, values = k[slots].double(), v[slots].double()
         for h in range(num_heads):
             scores = keys[:, h // group] @ q[i, h].double() * scale
-            out[i, h] = torch.softmax(scores, 0) @ values[:, h // group]
+            if logit_cap:
+                scores = torch.tanh(scores / logit_cap) * logit_cap
+            if sinks is not None:
+                scores = torch.cat([scores, sinks[h].double().view(1)])
+            weights = torch.softmax(scores, 0)[: len(slots)]
+            out[i, h] = weights @ values[:, h // group]
     return out
 
 
@@ -59,6 +65,39 @@ def test_matches_the_definition(seed, n, num_kv_heads, group, head_dim, max_len,
     got = cpu_kernel.decode_attention(q, k, v, table, rows, seq_lens, 0.3, threads)
     want = _reference(q, k, v, table, rows, seq_lens, 0.3)
     torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=2e-5)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    n=st.integers(1, 6),
+    group=st.sampled_from([1, 4]),
+    head_dim=st.sampled_from([16, 64]),
+    max_len=st.sampled_from([1, 9, 300]),
+    window=st.one_of(st.none(), st.integers(1, 320)),
+    logit_cap=st.sampled_from([0.0, 0.5, 30.0]),
+    with_sinks=st.booleans(),
+)
+def test_window_cap_and_sinks_match_the_definition(
+    seed, n, group, head_dim, max_len, window, logit_cap, with_sinks
+):
+    q, k, v, table, rows, seq_lens = _layout(seed, n, 2, group, head_dim, max_len, torch.float32)
+    sinks = torch.linspace(-3, 3, 2 * group) if with_sinks else None
+    variant = dict(window=window, logit_cap=logit_cap, sinks=sinks)
+    got = cpu_kernel.decode_attention(q, k, v, table, rows, seq_lens, 0.3, 2, **variant)
+    want = _reference(q, k, v, table, rows, seq_lens, 0.3, **variant)
+    torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=2e-5)
+
+
+def test_bad_variants_are_value_errors():
+    q, k, v, table, rows, seq_lens = _layout(1, 3, 2, 2, 16, 10, torch.float32)
+    call = cpu_kernel.decode_attention
+    with pytest.raises(ValueError, match="window must be >= 1"):
+        call(q, k, v, table, rows, seq_lens, 1.0, window=0)
+    with pytest.raises(ValueError, match=r"sinks must be \[4\]"):
+        call(q, k, v, table, rows, seq_lens, 1.0, sinks=torch.zeros(3))
+    with pytest.raises(ValueError, match="logit_cap"):
+        call(q, k, v, table, rows, seq_lens, 1.0, logit_cap=float("nan"))
 
 
 def test_bf16_matches_the_definition_on_the_same_values():

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sglite.layers import cpu_ops
-from sglite.layers.activation import SiluAndMul
+from sglite.layers.activation import GatedActivation, SiluAndMul
 from sglite.layers.layernorm import RMSNorm
 from sglite.layers.rotary_embedding import RotaryEmbedding
 
@@ -66,14 +66,18 @@ def test_rms_norm_matches_torch(seed, rows, dim, dtype, with_residual, threads):
     d=st.sampled_from([4, 17, 1536]),
     dtype=DTYPES,
     threads=st.integers(1, 3),
+    gelu=st.booleans(),
 )
-def test_silu_and_mul_matches_torch(seed, rows, d, dtype, threads):
+def test_gated_activations_match_torch(seed, rows, d, dtype, threads, gelu):
     gen = torch.Generator().manual_seed(seed)
     # wide range: exp must neither overflow for large negative gates nor lose small ones
     x = (torch.randn(rows, 2 * d, generator=gen) * 20).to(dtype)
-    want = F.silu(x[:, :d]) * x[:, d:]
+    if gelu:  # GeGLU, Gemma's gelu_pytorch_tanh
+        want, kernel = F.gelu(x[:, :d], approximate="tanh") * x[:, d:], cpu_ops.gelu_tanh_and_mul
+    else:
+        want, kernel = F.silu(x[:, :d]) * x[:, d:], cpu_ops.silu_and_mul
     with _threads(threads):
-        got = cpu_ops.silu_and_mul(x)
+        got = kernel(x)
     torch.testing.assert_close(got, want, **TOL[dtype])
 
 
@@ -126,9 +130,13 @@ def test_layers_take_the_native_path_and_agree_with_the_definition():
     assert cpu_ops.rope(torch.tensor([0, 5, 63]), q, k, rope.cos_sin) is not None
     gate_up = torch.randn(3, 16, generator=gen)
     assert cpu_ops.silu_and_mul(gate_up) is not None
+    assert cpu_ops.gelu_tanh_and_mul(gate_up) is not None
     torch.testing.assert_close(
         SiluAndMul()(gate_up), gate_up[:, :8] * torch.sigmoid(gate_up[:, :8]) * gate_up[:, 8:]
     )
+    gelu = F.gelu(gate_up[:, :8], approximate="tanh") * gate_up[:, 8:]
+    for name in ("gelu_pytorch_tanh", "gelu_new", "gelu_fast"):  # one function, one kernel
+        torch.testing.assert_close(GatedActivation(name)(gate_up), gelu)
 
 
 def test_layouts_it_does_not_take_fall_back():
@@ -153,9 +161,11 @@ def test_bad_sizes_raise_instead_of_writing():
     with pytest.raises(ValueError, match="rows of the weight"):
         core.rms_norm(raw(x), None, raw(torch.ones(3)), raw(out), 1e-6, "float32", 1)
     with pytest.raises(ValueError, match="float32 or bfloat16"):
-        core.silu_and_mul(raw(x), raw(out), 4, "float16", 1)
+        core.gated_mul(raw(x), raw(out), 4, "silu", "float16", 1)
     with pytest.raises(ValueError, match="must be"):
-        core.silu_and_mul(raw(x), raw(out), 4, "float32", 1)
+        core.gated_mul(raw(x), raw(out), 4, "silu", "float32", 1)
+    with pytest.raises(ValueError, match="not silu or gelu_tanh"):
+        core.gated_mul(raw(x), raw(out), 4, "relu", "float32", 1)
     table = torch.zeros(10, 16)
     with pytest.raises(ValueError, match="outside the table"):
         pos = torch.tensor([3, 10])

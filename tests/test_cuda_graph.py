@@ -1,8 +1,9 @@
 """Decode CUDA graphs and the device-side token handoff of the overlap loop.
 
 CPU: the captured batch sizes and padding arithmetic; the graph runner's static buffers,
-padding and the triton backend's capture/replay metadata hooks, with each "graph" replayed
-as an eager run of the captured batch (Triton interpreter); the device future buffer's
+padding and the triton backend's capture/replay metadata hooks (also with sliding-window
+layers), with each "graph" replayed as an eager run of the captured batch (Triton
+interpreter); the device future buffer's
 resolution logic (device gather, penalties, mixed batches) on CPU tensors.
 GPU (`gpu` marker, skipped without CUDA): graph replay equals eager for padded and exact
 batch sizes in fp32 and bf16 (logits, and each path's own K/V writes from the same state),
@@ -195,6 +196,24 @@ def test_padded_replay_matches_eager_cpu(tiny_runner):
     # Above the largest captured size the runner declines (the forward runs eagerly).
     nine = dataclasses.replace(runner.graph_runner._static_batch(8), seq_lens_cpu=[1] * 9)
     assert not runner.graph_runner.can_run(nine)
+
+
+def test_padded_replay_with_sliding_windows_matches_eager_cpu(tiny_model_dir):
+    """A model with full and windowed layers (a tiny Qwen2: full, sliding 8, sliding 8):
+    the graph buffers hold each window's decode split counts, refilled at every replay."""
+    from sglite.model_executor.model_runner import ModelRunner
+    from sglite_kernels import interpreted
+
+    if not interpreted():
+        pytest.skip("the CPU triton backend needs Triton's interpreter (off: SGL_TEST_GPU=1)")
+    path = tiny_model_dir("qwen2", sliding_window=8, max_window_layers=1, num_hidden_layers=3)
+    runner = ModelRunner(
+        path, device="cpu", max_total_tokens=2048, max_running_requests=16,
+        attention_backend="triton",
+    )  # fmt: skip
+    runner.graph_runner = EagerGraphRunner(runner, 4)
+    assert set(runner.attn_backend._graph.num_kv_splits) == {None, 8}
+    assert _compare_graph_and_eager(runner, [3, 4, 1], atol=1e-5) == 3
 
 
 def test_comparison_catches_a_graph_that_writes_no_kv(tiny_runner):

@@ -2,7 +2,8 @@
 KV pool give exactly the greedy tokens of a device-only server while KV is loaded back from
 the host (every write policy, both tree cores); evicted-to-host KV comes back bit-identical;
 the file tier survives a restart (a second Engine on the same directory gets storage hits and
-the same tokens); a host pool larger than the free RAM is refused at start-up."""
+the same tokens; damaged pages are recomputed and removed); a host pool larger than the free
+RAM is refused at start-up."""
 
 from __future__ import annotations
 
@@ -184,6 +185,15 @@ def test_file_tier_survives_restart(core, llama_dir, tmp_path):
         b = second.generate(input_ids=prompt, sampling_params=params)
     assert b["output_ids"] == a["output_ids"]
     assert b["meta_info"]["cached_tokens"] >= 128
+    pages = list(tmp_path.rglob("*.kv"))
+    for page in pages:  # a crash mid-write, a bad disk: every page is damaged
+        page.write_bytes(page.read_bytes()[:100])
+    with sglite.Engine(**kwargs) as third:  # used to raise UnpicklingError on every restart
+        c = third.generate(input_ids=prompt, sampling_params=params)
+    assert c["output_ids"] == a["output_ids"]  # recomputed
+    assert c["meta_info"]["cached_tokens"] == 0
+    # the first damaged page of the chain was removed (and written again after the recompute)
+    assert any(not p.exists() or p.stat().st_size != 100 for p in pages)
 
 
 def _engine_conversations(model_dir, **kwargs) -> tuple[list[list[int]], int]:

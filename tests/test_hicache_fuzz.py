@@ -10,39 +10,30 @@ loaded back is stored again under its new slots) and the blocks left are the dev
 from __future__ import annotations
 
 import random
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
-import torch
 
 import test_scheduler_fuzz as fuzz
-from fixtures.chain_worker import ChainWorker
+from fixtures.chain_worker import ChainWorker, attach_host_tier, make_lazy, reference_tokens
 from fixtures.kv_subscriber import apply_events
+from fixtures.sched import Harness
 from sglite.kv_events.recorder import KvEventRecorder
-from sglite.mem_cache.hicache import HiCache
-from sglite.mem_cache.host_pool import HostKVPool
+from sglite.scheduler.worker import WorkerClient
 
 NUM_CASES = 60
 POLICIES = ["write_through", "write_through_selective", "write_back"]
 LOADED: list[int] = []  # load-back tokens per case, for the coverage check
 
 
-def attach_host_tier(cache, kv: np.ndarray, rng: random.Random, core) -> None:
-    """Give `cache` (empty) a host tier whose copies move the ChainWorker's K/V."""
+def draw_host_tier(cache, kv: np.ndarray, rng: random.Random, core) -> None:
+    """A random host tier (write policy, host size, eviction policy) for `cache`."""
     if not cache.enabled:
         return
     ps = cache.page_size
-    values = torch.from_numpy(kv.view(np.int64)).view(-1, 1, 1)  # shares the worker's memory
-    pool = SimpleNamespace(
-        num_slots=len(kv) - ps, page_size=ps, num_layers=1, num_kv_heads=1, head_dim=1,
-        dtype=torch.int64, device=torch.device("cpu"), k_buffer=[values], v_buffer=[values],
-    )  # fmt: skip
-    host_slots = max(int(pool.num_slots * rng.choice([0.5, 1.5, 4.0])) // ps, 1) * ps
-    args = cache.tree  # the device-only tree the Harness built: same page size and policy
-    assert args.node_count() == 0
-    cache.tree = core.RadixTree(ps, rng.choice(["lru", "lfu", "fifo", "priority"]), host_slots)
-    cache.tier = HiCache(cache, HostKVPool(pool, host_slots), rng.choice(POLICIES))
+    host_slots = max(int((len(kv) - ps) * rng.choice([0.5, 1.5, 4.0])) // ps, 1) * ps
+    eviction = rng.choice(["lru", "lfu", "fifo", "priority"])
+    attach_host_tier(cache, kv, core, host_slots, rng.choice(POLICIES), eviction)
 
 
 @pytest.mark.parametrize("seed", range(NUM_CASES))
@@ -62,10 +53,15 @@ def test_scheduler_fuzz_with_host_tier(core, seed, monkeypatch):
     class HostTierWorker(ChainWorker):
         def __init__(self, table, num_slots, vocab=48, context=4096):
             super().__init__(table, num_slots, vocab, context)
-            attach_host_tier(harnesses[-1].sched.cache, self.kv, rng, core)
+            draw_host_tier(harnesses[-1].sched.cache, self.kv, rng, core)
 
     monkeypatch.setattr(fuzz.Harness, "__init__", init)
     monkeypatch.setattr(fuzz, "ChainWorker", HostTierWorker)
+    # more of the state of item 11 (network issue): twins computing the same prefix in one
+    # batch, the overlap loop, the mirrored table; the revisits then load back at once
+    monkeypatch.setattr(fuzz, "TWIN_SHARE", 0.3)
+    monkeypatch.setattr(fuzz, "OVERLAP_SHARE", 0.8)
+    monkeypatch.setattr(fuzz, "MIRRORED_SHARE", 0.5)
     result = fuzz.run_case(core, seed)
     sched = harnesses[0].sched
     cache = sched.cache
@@ -83,3 +79,43 @@ def test_fuzz_cases_loaded_back(core):
     if len(LOADED) < NUM_CASES // 2:
         pytest.skip("run with the fuzz cases")
     assert sum(x > 0 for x in LOADED) >= len(LOADED) // 4, LOADED
+
+
+@pytest.mark.parametrize("mirrored", [True, False])
+def test_load_back_never_overwrites_slots_a_launched_batch_reads(core, mirrored):
+    """Item 11 of the network issue, made deterministic with a lazy worker (overlap loop).
+    A and B compute the same 20 uncached tokens in one prefill batch (under the in-batch
+    prefix gate's threshold); processing that batch publishes A's copy and frees B's while
+    B's first decode row, already launched, still reads B's (the mirrored table travelled
+    with it). C's host hit is then loaded back at once into the freed slots, before that
+    decode row ran: B's token came out wrong. Frees of slots a launched batch may read now
+    wait until that batch's result is processed."""
+    cap, vocab = 64, 48
+    h = Harness(core, total_tokens=cap, disable_overlap_schedule=False, rows=8)
+    sched = h.sched
+    worker = ChainWorker(sched.cache.table, cap + 1, vocab)
+    attach_host_tier(sched.cache, worker.kv, core, 128, "write_through", "lru")
+    if mirrored:
+        sched.cache.table = np.zeros_like(sched.cache.table)
+        sched.cache.mirrored = True
+        worker.table = None
+    sched.client = WorkerClient(worker, overlap=False)
+    make_lazy(sched.client)
+    system = list(range(3, 27))  # 24 tokens: C's host hit
+    shared = [30 + i for i in range(20)]
+    h.add("x", system + [40], max_new_tokens=1, ignore_eos=True)
+    sched.run_until_idle()
+    sched.cache.evict_for(cap)  # X's prompt now lives in the host tier only
+    assert sched.cache.tree.evictable_size() == 0
+    h.add("a", shared + [41], max_new_tokens=3, ignore_eos=True)
+    h.add("b", shared + [42], max_new_tokens=3, ignore_eos=True)
+    sched.step()  # the prefill of A and B, launched
+    sched.step()  # their first decode launched, then the prefill's result processed
+    h.add("c", system + [43, 44], max_new_tokens=2, ignore_eos=True)
+    sched.step()  # C's admission: its host hit was loaded back at once, into B's copies
+    h.run()
+    assert sched.cache.tier.num_load_back_tokens >= 16, "the test must load back"
+    res = h.results()
+    for rid, prompt in (("a", shared + [41]), ("b", shared + [42]), ("c", system + [43, 44])):
+        n = len(res[rid]["ids"])
+        assert res[rid]["ids"] == reference_tokens(worker, prompt, n), rid

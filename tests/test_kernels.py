@@ -4,12 +4,13 @@ On CPU the kernels run through the Triton interpreter (tests/conftest.py sets TR
 so these cases are small: a few requests, short ragged sequences, slots allocated page-wise
 from a shuffled page list (page sizes 1 and 16), GQA, and small tiles so that several tiles
 and splits are crossed. The ``gpu`` cases repeat them at full sizes with bf16 tolerances.
+The cases live in tests/fixtures/kernel_cases.py; windows, soft-caps and sinks are tested in
+test_kernel_variants.py.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import math
 import sys
 from pathlib import Path
 
@@ -18,6 +19,7 @@ import torch
 
 if importlib.util.find_spec("sglite_kernels") is None:  # source checkout, not pip-installed
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))
+from fixtures.kernel_cases import Pool, check_decode, check_extend  # noqa: E402
 from sglite_kernels import (  # noqa: E402
     decode_attention,
     extend_attention,
@@ -30,52 +32,12 @@ from sglite_kernels import (  # noqa: E402
 CUDA = torch.cuda.is_available()
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs CUDA")
-TOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2, torch.float16: 5e-3}
 
 
 @pytest.fixture(autouse=True)
 def _cpu_cases_need_the_interpreter(request):
     if request.node.get_closest_marker("gpu") is None and not interpreted():
         pytest.skip("CPU kernel cases need Triton's interpreter, off under SGL_TEST_GPU=1")
-
-
-class Pool:
-    """K/V buffers whose slots are handed out page by page from a shuffled page list."""
-
-    def __init__(self, num_pages, page_size, num_kv_heads, head_dim, dtype, device, seed=0):
-        gen = torch.Generator().manual_seed(seed)
-        rows = (num_pages + 1) * page_size  # page 0 is the padding page, never handed out
-        shape = (rows, num_kv_heads, head_dim)
-        self.k = torch.randn(shape, generator=gen).to(dtype=dtype, device=device)
-        self.v = torch.randn(shape, generator=gen).to(dtype=dtype, device=device)
-        self.page_size = page_size
-        self.free_pages = (torch.randperm(num_pages, generator=gen) + 1).tolist()
-
-    def alloc(self, num_tokens: int) -> torch.Tensor:
-        num_pages = -(-num_tokens // self.page_size)
-        pages, self.free_pages = self.free_pages[:num_pages], self.free_pages[num_pages:]
-        slots = [p * self.page_size + i for p in pages for i in range(self.page_size)]
-        return torch.tensor(slots[:num_tokens], dtype=torch.int64)
-
-
-def _csr(slot_lists, device, dtype=torch.int32):
-    lens = torch.tensor([0] + [len(s) for s in slot_lists])
-    indptr = lens.cumsum(0).to(dtype=dtype, device=device)
-    indices = torch.cat([s for s in slot_lists] + [torch.zeros(0, dtype=torch.int64)])
-    return indptr, indices.to(dtype=dtype, device=device)
-
-
-def _ref_attention(q, k, v, sm_scale, causal_offset=None):
-    """q [M, Hq, D], k/v [N, Hkv, D] -> [M, Hq, D] in fp32; query i sees keys <= offset + i."""
-    group = q.shape[1] // k.shape[1]
-    k = k.float().repeat_interleave(group, dim=1)
-    v = v.float().repeat_interleave(group, dim=1)
-    scores = torch.einsum("mhd,nhd->hmn", q.float(), k) * sm_scale
-    if causal_offset is not None:
-        m = torch.arange(q.shape[0])[:, None]
-        n = torch.arange(k.shape[0])[None, :]
-        scores = scores.masked_fill((n > m + causal_offset).to(scores.device), float("-inf"))
-    return torch.einsum("hmn,nhd->mhd", scores.softmax(-1), v)
 
 
 # ---------------------------------------------------------------- store_kv
@@ -117,54 +79,32 @@ def test_fill_kv_indices_flattens_table_rows(table_dtype):
 # ---------------------------------------------------------------- decode
 
 
-def _check_decode(lens, hq, hkv, d, page_size, dtype, device, splits=None, block_n=None):
-    gen = torch.Generator().manual_seed(1)
-    pool = Pool(sum(-(-n // page_size) for n in lens) + 2, page_size, hkv, d, dtype, device)
-    slots = [pool.alloc(n) for n in lens]
-    kv_indptr, kv_indices = _csr(slots, device)
-    q = torch.randn(len(lens), hq, d, generator=gen).to(dtype=dtype, device=device)
-    o = torch.full_like(q, float("nan"))
-    sm_scale = 1 / math.sqrt(d)
-    if splits is None:
-        max_splits = 8
-        nsplit = num_kv_splits(kv_indptr.diff(), hkv, num_sms=132, max_splits=max_splits)
-    else:
-        max_splits = max(splits)
-        nsplit = torch.tensor(splits, dtype=torch.int32, device=device)
-    decode_attention(
-        q, pool.k, pool.v, o, kv_indptr, kv_indices, nsplit, max_splits, sm_scale, block_n=block_n
-    )
-    for b, s in enumerate(slots):
-        ref = _ref_attention(q[b : b + 1], pool.k[s.to(device)], pool.v[s.to(device)], sm_scale)
-        torch.testing.assert_close(o[b : b + 1].float(), ref, atol=TOL[dtype], rtol=TOL[dtype])
-
-
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("hq,hkv", [(2, 2), (8, 2)])
 def test_decode_fp32(page_size, hq, hkv):
     # Split counts 1..3 over tiles of 16: ragged last tiles, and an empty trailing split.
-    _check_decode([1, 37, 20], hq, hkv, 32, page_size, torch.float32, "cpu", [1, 3, 3], 16)
+    check_decode([1, 37, 20], hq, hkv, 32, page_size, torch.float32, "cpu", [1, 3, 3], 16)
 
 
 def test_decode_bf16_head_dim_64_wide_group():
-    _check_decode([9, 30], 8, 1, 64, 16, torch.bfloat16, "cpu", [2, 2], 16)
+    check_decode([9, 30], 8, 1, 64, 16, torch.bfloat16, "cpu", [2, 2], 16)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_decode_head_dim_128_group_8_default_tiles(dtype):
     # Default tile and the split heuristic (one split at these lengths), 9 ragged requests.
     lens = [1, 2, 3, 63, 64, 65, 100, 129, 250]
-    _check_decode(lens, 16, 2, 128, 16, dtype, "cpu")
+    check_decode(lens, 16, 2, 128, 16, dtype, "cpu")
 
 
 def test_decode_many_splits_and_heuristic():
     # Lengths past MIN_SPLIT_LEN so the heuristic picks several splits.
-    _check_decode([700, 257, 5], 4, 2, 16, 16, torch.float32, "cpu", None, 64)
+    check_decode([700, 257, 5], 4, 2, 16, 16, torch.float32, "cpu", None, 64)
 
 
 def test_decode_clamps_bad_split_counts():
     # 0 and counts above max_splits are clamped on the device instead of dropping tokens.
-    _check_decode([12, 40], 2, 1, 16, 1, torch.float32, "cpu", [0, 9], 16)
+    check_decode([12, 40], 2, 1, 16, 1, torch.float32, "cpu", [0, 9], 16)
 
 
 def test_num_kv_splits_heuristic():
@@ -180,60 +120,28 @@ def test_num_kv_splits_heuristic():
 # ---------------------------------------------------------------- extend
 
 
-def _check_extend(prefix_lens, extend_lens, hq, hkv, d, page_size, dtype, device, blocks=None):
-    gen = torch.Generator().manual_seed(2)
-    total = [p + e for p, e in zip(prefix_lens, extend_lens)]
-    pool = Pool(sum(-(-n // page_size) for n in total) + 2, page_size, hkv, d, dtype, device)
-    slots = [pool.alloc(n) for n in total]
-    prefix_slots = [s[:p] for s, p in zip(slots, prefix_lens)]
-    kv_indptr, kv_indices = _csr(prefix_slots, device)
-    qo_indptr = torch.tensor([0] + extend_lens).cumsum(0).to(dtype=torch.int64, device=device)
-    num_tokens = sum(extend_lens)
-
-    def rand(*shape):
-        return torch.randn(*shape, generator=gen).to(dtype=dtype, device=device)
-
-    q = rand(num_tokens, hq, d)
-    qkv = rand(num_tokens, 2 * hkv * d)  # strided k/v views, as a fused projection yields
-    k = qkv[:, : hkv * d].view(num_tokens, hkv, d)
-    v = qkv[:, hkv * d :].view(num_tokens, hkv, d)
-    o = torch.full_like(q, float("nan"))
-    sm_scale = 1 / math.sqrt(d)
-    block_m, block_n = blocks or (None, None)
-    extend_attention(
-        q, k, v, o, pool.k, pool.v, qo_indptr, kv_indptr, kv_indices, max(extend_lens),
-        sm_scale, block_m=block_m, block_n=block_n,
-    )  # fmt: skip
-    for b, (p, s) in enumerate(zip(prefix_lens, prefix_slots)):
-        rows = slice(int(qo_indptr[b]), int(qo_indptr[b + 1]))
-        keys = torch.cat([pool.k[s.to(device)], k[rows]])
-        vals = torch.cat([pool.v[s.to(device)], v[rows]])
-        ref = _ref_attention(q[rows], keys, vals, sm_scale, causal_offset=p)
-        torch.testing.assert_close(o[rows].float(), ref, atol=TOL[dtype], rtol=TOL[dtype])
-
-
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("hq,hkv", [(2, 2), (4, 1)])
 def test_extend_fp32(page_size, hq, hkv):
     # No prefix, a prefix with a ragged page, a 1-token extend (a decode row of a mixed batch).
-    _check_extend([0, 21, 35], [19, 7, 1], hq, hkv, 32, page_size, torch.float32, "cpu", (16, 16))
+    check_extend([0, 21, 35], [19, 7, 1], hq, hkv, 32, page_size, torch.float32, "cpu", (16, 16))
 
 
 def test_extend_fp16_head_dim_64():
-    _check_extend([5, 0], [12, 3], 4, 2, 64, 16, torch.float16, "cpu", (16, 16))
+    check_extend([5, 0], [12, 3], 4, 2, 64, 16, torch.float16, "cpu", (16, 16))
 
 
 def test_extend_bf16_default_blocks():
-    _check_extend([17], [6], 2, 1, 16, 1, torch.bfloat16, "cpu")
+    check_extend([17], [6], 2, 1, 16, 1, torch.bfloat16, "cpu")
 
 
 def test_extend_without_any_prefix():
-    _check_extend([0, 0], [3, 20], 2, 2, 16, 1, torch.float32, "cpu", (16, 16))
+    check_extend([0, 0], [3, 20], 2, 2, 16, 1, torch.float32, "cpu", (16, 16))
 
 
 def test_extend_head_dim_128_group_8_long():
     # Default 64x64 tiles: several query blocks and prefix tiles per request.
-    _check_extend([130, 0, 64], [150, 65, 1], 8, 1, 128, 16, torch.float32, "cpu")
+    check_extend([130, 0, 64], [150, 65, 1], 8, 1, 128, 16, torch.float32, "cpu")
 
 
 # ---------------------------------------------------------------- launcher validation
@@ -276,6 +184,10 @@ def _decode_args(**over):
         (dict(kv_indices=torch.zeros(2, 1, dtype=torch.int32)), "1-D"),
         (dict(o=torch.zeros(3, 4, 32)), "q's shape"),
         (dict(max_splits=0), "max_splits"),
+        (dict(window=0), "window must be a positive int"),
+        (dict(logit_cap=-1.0), "logit_cap must be finite"),
+        (dict(sinks=torch.zeros(3)), r"sinks must be float32 \[4\]"),
+        (dict(sinks=torch.zeros(4, dtype=torch.float64)), "sinks must be float32"),
     ],
 )
 def test_decode_validation(over, match):
@@ -310,7 +222,7 @@ def test_extend_and_store_validation():
 @pytest.mark.parametrize("hq,hkv,d", [(16, 8, 128), (32, 4, 64), (8, 8, 128)])
 def test_decode_gpu(page_size, hq, hkv, d):
     lens = [1, 17, 300, 1024, 4096, 2047, 513, 64] * 4
-    _check_decode(lens, hq, hkv, d, page_size, torch.bfloat16, "cuda")
+    check_decode(lens, hq, hkv, d, page_size, torch.bfloat16, "cuda")
 
 
 @gpu
@@ -318,7 +230,7 @@ def test_decode_gpu(page_size, hq, hkv, d):
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("hq,hkv,d", [(16, 8, 128), (32, 4, 64)])
 def test_extend_gpu(page_size, hq, hkv, d):
-    _check_extend(
+    check_extend(
         [0, 700, 37, 2048, 1], [513, 1, 300, 128, 1000], hq, hkv, d, page_size,
         torch.bfloat16, "cuda",
     )  # fmt: skip

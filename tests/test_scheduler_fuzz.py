@@ -3,9 +3,11 @@ catches bookkeeping bugs (tests/fixtures/chain_worker.py).
 
 Each case draws a configuration (page size 1/4/16, a KV pool from barely-fits to roomy, every
 policy, both loops, mixed chunk, chunk size, conservativeness, max-running, radix cache and
-eviction policy, the shared or the mirrored request table, an eager or a lazy worker) and a workload (shared prefixes, staggered
-arrivals, EOS, stop ids and stop strings, requests that cannot fit, aborts by exact id or by
-prefix in every request state). It checks that every request ends exactly once with the right
+eviction policy, the shared or the mirrored request table, an eager or a lazy worker) and a
+workload (shared prefixes, staggered arrivals, twins that compute the same fresh prefix in one
+batch, revisits that arrive while a launched batch still reads rows just rewritten (with HiCache:
+loading back an evicted prompt at once), EOS, stop ids and stop strings, requests that cannot
+fit, aborts by exact id or by prefix in every request state). It checks that every request ends exactly once with the right
 reason and the outputs of a run of that request alone, that nothing is refused for memory
 (503) that fits alone, that KV conservation holds after every step, and the idle invariant at
 the end.
@@ -29,6 +31,11 @@ EOS = 2
 CONTEXT = 1024
 MAX_STEPS = 20_000
 SLACK = [0, 1, 16, 48, 100, 300, 3000]  # KV pool beyond what the largest request needs
+TWIN_SHARE = 0.1  # requests that arrive with a twin sharing a fresh 16..31-token prefix
+OVERLAP_SHARE = 0.6  # cases run by the overlap loop
+MIRRORED_SHARE = 0.25  # cases with the mirrored request table (the CUDA path)
+LAZY_SHARE = 0.6  # cases whose worker runs a batch as late as possible
+WINDOW_WAIT = 30
 
 
 @dataclass
@@ -38,6 +45,12 @@ class Spec:
     sp: dict
     arrive: int  # step at which it is submitted
     parent: str | None = None  # a follow-up turn: prompt = parent's prompt + output + own
+    # a revisit (an earlier prompt + this tail) waits up to WINDOW_WAIT steps for the overlap
+    # loop's window: a prefill's result was just processed while the next batch, launched,
+    # still reads the old rows; with HiCache the device cache is then evicted (as if by
+    # other requests) and it takes the earlier prompt with the longest host-only prefix, so
+    # that its admission loads back at once
+    revisit: list[int] | None = None
 
 
 def draw_config(rng: random.Random, pressure: bool) -> dict:
@@ -48,7 +61,7 @@ def draw_config(rng: random.Random, pressure: bool) -> dict:
     cfg = dict(
         page_size=ps,
         schedule_policy=rng.choice(POLICIES),
-        disable_overlap_schedule=rng.random() < 0.4,
+        disable_overlap_schedule=rng.random() >= OVERLAP_SHARE,
         enable_mixed_chunk=rng.random() < 0.5,
         chunked_prefill_size=chunk,
         max_prefill_tokens=rng.choice([16, 64, 256, 4096]),
@@ -75,7 +88,7 @@ def draw_workload(rng: random.Random, vocab: int, pressure: bool) -> list[Spec]:
         own = [rng.randrange(3, vocab) for _ in range(rng.randrange(1, 40))]
         prompt = (rng.choice(systems) if rng.random() < 0.7 else []) + own
         # a follow-up turn reads the KV of its parent's output (published at its finish)
-        firsts = [s.rid for s in specs if s.parent is None]
+        firsts = [s.rid for s in specs if s.parent is None and s.revisit is None]
         parent = rng.choice(firsts) if firsts and rng.random() < 0.4 else None
         sp: dict = {"max_new_tokens": rng.choice([0, 1, 4, 20, 40, 80, 80])}
         if rng.random() < 0.15 and not pressure:  # reserved exactly: never retracted
@@ -88,6 +101,19 @@ def draw_workload(rng: random.Random, vocab: int, pressure: bool) -> list[Spec]:
             sp["min_new_tokens"] = 3
         step += 0 if pressure else rng.choice([0, 0, 0, 1, 3, 10])
         specs.append(Spec(f"q{i:02d}", prompt, sp, step, parent))
+        if rng.random() < TWIN_SHARE:
+            # a twin arriving with it: both compute the same fresh 16..31 tokens in one
+            # prefill batch (under the in-batch prefix gate), so processing that batch
+            # frees one copy while the next batch, launched, may still read it
+            fresh = [rng.randrange(3, vocab) for _ in range(rng.randrange(16, 32))]
+            specs[-1].prompt, specs[-1].parent = fresh + own, None
+            tail = [rng.randrange(3, vocab) for _ in range(rng.randrange(1, 8))]
+            specs.append(Spec(f"q{i:02d}t", fresh + tail, dict(sp), step))
+            # and soon after, a request that may find an earlier prompt in the host tier
+            # (HiCache): its load-back writes the slots it gets at once
+            again = rng.choice(specs[:-2] or specs)
+            tail = [rng.randrange(3, vocab) for _ in range(rng.randrange(1, 4))]
+            specs.append(Spec(f"q{i:02d}r", again.prompt + tail, dict(sp), step, revisit=tail))
     return specs
 
 
@@ -138,12 +164,14 @@ def run_case(core, seed: int) -> dict:
     h = Harness(core, total_tokens=total, context_length=CONTEXT, eos=[EOS], rows=rows, **cfg)
     sched = h.sched
     worker = ChainWorker(sched.cache.table, total + ps, vocab)
-    if rng.random() < 0.25:  # the CUDA path: a host mirror whose rows travel with each batch
+    if (
+        rng.random() < MIRRORED_SHARE
+    ):  # the CUDA path: a host mirror whose rows travel with each batch
         sched.cache.table = np.zeros_like(sched.cache.table)
         sched.cache.mirrored = True
         worker.table = None
     sched.client = WorkerClient(worker, overlap=False)
-    lazy = rng.random() < 0.6
+    lazy = rng.random() < LAZY_SHARE
     if lazy:
         make_lazy(sched.client)
     cap = sched.cache.allocator.capacity()
@@ -161,9 +189,18 @@ def run_case(core, seed: int) -> dict:
     by_rid = {spec.rid: spec for spec in specs}
     aborted: dict[str, int] = {}  # rids an abort hit while they were unfinished
     step = 0
+    last_launched = None  # the batch in flight at the previous step
     while pending or sched.has_work():
+        launched = sched.pending[0] if sched.pending else None
+        window = bool(launched and last_launched and last_launched.is_extend)
+        window = window and launched is not last_launched
+        last_launched = launched
         while pending and pending[0].arrive <= step:
             spec = pending[0]
+            if spec.revisit is not None:
+                if not (window and not sched.waiting) and step < spec.arrive + WINDOW_WAIT:
+                    break
+                spec.prompt = host_revisit(sched, specs, h.results(), spec, limit(cap, ps, 0))
             if spec.parent is not None:
                 parent = h.results().get(spec.parent)
                 if parent is None or parent["finish"] is None:
@@ -208,6 +245,25 @@ def run_case(core, seed: int) -> dict:
     }
 
 
+def host_revisit(sched, specs: list[Spec], results: dict, spec: Spec, room: int) -> list[int]:
+    """The revisit's prompt: with a host tier, the finished prompt (+ its tail) whose
+    host-only continuation is the longest, if one is long enough to be loaded back (and
+    prompt + max_new_tokens fits in `room` tokens)."""
+    prompt = spec.prompt
+    if not sched.cache.tier.enabled:
+        return prompt
+    sched.cache.evict_for(sched.cache.allocator.capacity())  # others' pressure: all to host
+    best = 0
+    for s in specs:
+        fits = len(s.prompt) + len(spec.revisit) + spec.sp["max_new_tokens"] <= room
+        if fits and s.revisit is None and results.get(s.rid, {}).get("finish") is not None:
+            key = np.asarray(s.prompt, dtype=np.int64)
+            host = len(sched.cache.tree.match_prefix_host(key)[2])
+            if host > best:
+                best, prompt = host, s.prompt + spec.revisit
+    return prompt if best >= 16 else spec.prompt
+
+
 def abort_something(rng: random.Random, h: Harness, aborted: dict[str, int]) -> None:
     """Abort one request picked by state (waiting, chunked, running, finishing in flight)."""
     s = h.sched
@@ -221,7 +277,7 @@ def abort_something(rng: random.Random, h: Harness, aborted: dict[str, int]) -> 
     if not groups:
         return
     target = rng.choice(groups[rng.choice(sorted(groups))])
-    # by exact id, by its id as a prefix (ids have equal lengths: it alone), or rarely by a
+    # by exact id, by its id as a prefix (it alone, or with its twin q07t), or rarely by a
     # family prefix (q1 aborts q10..q19)
     exact, prefix = rng.random() < 0.6, target.rid
     if not exact and rng.random() < 0.15:

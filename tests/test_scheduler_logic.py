@@ -209,11 +209,12 @@ def test_chunks_end_on_page_boundaries(core):
 def test_retraction_takes_fewest_decoded_longest_prompt(core, monkeypatch):
     seen = []
     real = DecodeManager._retract
+    key = lambda r: (len(r.output_ids), -len(r.input_ids))  # noqa: E731
 
     def spy(self, reqs, chunked, step):
-        before = list(reqs)
+        before = {id(r): key(r) for r in reqs}  # at the time of the retraction
         kept = real(self, reqs, chunked, step)
-        seen.append((before, kept))
+        seen.append((before, {id(r) for r in kept}))
         return kept
 
     monkeypatch.setattr(DecodeManager, "_retract", spy)
@@ -231,10 +232,9 @@ def test_retraction_takes_fewest_decoded_longest_prompt(core, monkeypatch):
     h.run()
     assert h.sched.counters["num_retracted_reqs"] > 0 and seen
     for before, kept in seen:
-        victims = [r for r in before if r not in kept]
-        key = lambda r: (len(r.output_ids), -len(r.input_ids))  # noqa: E731
+        victims = [k for r, k in before.items() if r not in kept]
         assert victims and kept
-        assert max(key(v) for v in victims) <= min(key(k) for k in kept)
+        assert max(victims) <= min(k for r, k in before.items() if r in kept)
     res = h.results()
     assert all(res[rid]["ids"] == [100 + k for k in range(n + 60)] for rid, _, n in reqs)
 

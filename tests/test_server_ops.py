@@ -96,7 +96,7 @@ def test_cors_allows_any_origin_by_default(server):
 def test_models_list_the_repo_id_as_given(client):
     models = client.get("/v1/models").json()["data"]
     assert [m["id"] for m in models] == [REPO_ID]
-    assert "/snapshots/" in models[0]["root"]  # the resolved local folder
+    assert models[0]["root"] == REPO_ID  # as given, not the local snapshot folder
     assert client.get(f"/v1/models/{REPO_ID}").json()["id"] == REPO_ID
     r = client.get("/v1/models/other/model")
     assert r.status_code == 404 and "other/model" in r.json()["error"]["message"]
@@ -227,7 +227,7 @@ def test_cors_can_be_restricted():
     ok = client.get("/v1/models", headers={"Origin": "https://ok.example"})
     assert ok.headers["access-control-allow-origin"] == "https://ok.example"
     bad = client.get("/v1/models", headers={"Origin": "https://evil.example"})
-    assert bad.status_code == 200 and "access-control-allow-origin" not in bad.headers
+    assert bad.status_code == 403 and "access-control-allow-origin" not in bad.headers
     preflight = client.options(
         "/generate",
         headers={"Origin": "https://evil.example", "Access-Control-Request-Method": "POST"},

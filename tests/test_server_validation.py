@@ -153,16 +153,6 @@ def test_server_keeps_serving_after_bad_inputs(client):
     assert meta["prompt_tokens"] > 0 and meta["e2e_latency"] > 0 and "cached_tokens" in meta
 
 
-def test_form_encoded_json_is_accepted(client):
-    """curl -d sends application/x-www-form-urlencoded; the body is still JSON."""
-    r = client.post(
-        "/generate",
-        content=b'{"text": "Hi", "sampling_params": {"max_new_tokens": 2}}',
-        headers={"Content-Type": "application/x-www-form-urlencoded"},
-    )
-    assert r.status_code == 200, r.text
-
-
 def test_batch_and_n(client):
     r = client.post(
         "/generate",
@@ -318,7 +308,7 @@ def test_queue_limit_counts_waiting_requests_only():
     (they have output) do not count, and a batch is not refused for its own size."""
     from types import SimpleNamespace
 
-    from sglite.server.inputs import QueueFullError
+    from sglite.server.errors import QueueFullError
 
     tm = _manager(max_queued_requests=2)
     tm._send = tm._send_to = lambda *a: None  # no scheduler: sending always succeeds

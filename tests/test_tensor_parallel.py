@@ -2,13 +2,15 @@
 
 One spawn of two ranks runs every tp-2 model: Llama, Qwen2, Qwen3 (4 heads over 2 KV heads),
 a Llama with a single KV head (replicated on both ranks), a Llama with biases on o_proj
-and down_proj (added once, after the all-reduce) and one with an odd vocabulary (387: the
-last vocabulary shard is padded, the gathered logits trimmed). Three ranks run a Llama with 9 heads over
-3 KV heads; four ranks the 4-head Llama, whose 2 KV heads are each replicated on two ranks
-(ranks 2 and 3 must load the second one); three ranks the demo model SmolLM2-135M (9 heads
-over 3 KV heads; skipped when its package is not installed). Each rank's logits of an
-extend and the decode steps after it must equal the tp-1 runner's (fp32, 1e-4), the greedy
-tokens transformers', and every rank must return rank 0's sampled tokens.
+and down_proj (added once, after the all-reduce), one with an odd vocabulary (387: the last
+vocabulary shard is padded, the gathered logits trimmed), and the families with sharded
+parts of their own (TP2_MODELS says which). Three ranks run a Llama with 9 heads over 3 KV
+heads; four ranks the 4-head Llama, whose 2 KV heads are each replicated on two ranks
+(ranks 2 and 3 must load the second one), and OLMo 2 and StableLM, whose q/k norms cover
+the replicated heads; three ranks the demo model SmolLM2-135M (9 heads over 3 KV heads;
+skipped when its package is not installed). Each rank's logits of an extend and the decode
+steps after it must equal the tp-1 runner's (fp32, 1e-4), the greedy tokens transformers',
+and every rank must return rank 0's sampled tokens.
 """
 
 from __future__ import annotations
@@ -31,6 +33,17 @@ TP2_MODELS = {
     "llama_kv1": ("llama", {"num_key_value_heads": 1, "tie_word_embeddings": True}),
     "llama_bias": ("llama", {"bias": True}),  # row-parallel biases: added once, after
     "llama_odd_vocab": ("llama", {"vocab_size": 387}),  # the last vocab shard is padded
+    # families with their own sharded parts (tests/fixtures/tiny_families.py)
+    "phi3": ("phi3", {}),  # fused qkv_proj and gate_up_proj, split then sharded
+    "gpt_neox": ("gpt_neox", {}),  # per-head fused QKV, plain MLP, two parallel branches
+    "olmo2": ("olmo2", {}),  # q/k norm over the whole projection: one all-reduce
+    "cohere": ("cohere", {}),  # a q/k norm weight per head, interleaved rope
+    "stablelm": ("stablelm", {}),  # per-head q/k norm rows loaded one head at a time
+    "phi": ("phi", {}),  # the LM head's bias, sharded with its rows
+    "gemma": ("gemma", {}),
+    "gemma2": ("gemma2", {}),  # soft-capped heads, sandwich norms, windows of 8
+    "gemma3": ("gemma3", {}),  # (1 + w) q/k norms, two rotary tables
+    "glm4": ("glm4", {}),
 }
 NINE_HEADS = dict(
     num_attention_heads=9,
@@ -42,7 +55,8 @@ NINE_HEADS = dict(
     tie_word_embeddings=True,
 )
 TP3_MODELS = {"llama_9h": ("llama", NINE_HEADS)}
-TP4_MODELS = {"llama": ("llama", {})}
+# 2 KV heads on 4 ranks: each replicated twice, with the q/k norms that cover them
+TP4_MODELS = {"llama": ("llama", {}), "olmo2": ("olmo2", {}), "stablelm": ("stablelm", {})}
 
 
 def _ranks_results(tmp_path_factory, tp_size: int, paths: dict) -> dict:
@@ -70,7 +84,8 @@ def _check_against_tp1(name: str, path, ranks: list[dict], atol: float = ATOL) -
     tp_size, cfg = len(ranks), hf.config
     for rank, got in enumerate(ranks):
         assert got["heads"] == cfg.num_attention_heads // tp_size
-        assert got["kv_pool_heads"] == max(1, cfg.num_key_value_heads // tp_size)
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        assert got["kv_pool_heads"] == max(1, kv_heads // tp_size)
         assert len(got["logits"]) == DECODE_STEPS + 1
         for step, (a, b) in enumerate(zip(got["logits"], ref["logits"])):
             assert a.shape == b.shape == (len(PROMPTS), hf.config.vocab_size)
@@ -103,7 +118,8 @@ def test_tp3_with_three_kv_heads_matches_tp1(tmp_path_factory, tiny_model_dir):
 def test_tp4_replicates_two_kv_heads_and_matches_tp1(tmp_path_factory, tiny_model_dir):
     paths = _tiny_paths(tiny_model_dir, TP4_MODELS)
     results = _ranks_results(tmp_path_factory, 4, paths)
-    _check_against_tp1("llama", paths["llama"], results["llama"])
+    for name, path in paths.items():
+        _check_against_tp1(name, path, results[name])
 
 
 def test_smollm2_tp3_matches_tp1_and_transformers(tmp_path_factory, smollm2_dir):

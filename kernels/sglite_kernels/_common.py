@@ -101,3 +101,37 @@ def tile_dot(a, b, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
     else:
         return tl.dot(a, b, input_precision=PRECISION)
+
+
+# A window wider than any context: the kernels' form of "no sliding window".
+NO_WINDOW = 1 << 30
+
+
+def window_arg(window: int | None) -> int:
+    """The kernels' window argument: W, or NO_WINDOW for full attention."""
+    if window is None:
+        return NO_WINDOW
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"window must be a positive int or None, got {window!r}")
+    return min(window, NO_WINDOW)
+
+
+def check_variant(logit_cap: float, sinks: torch.Tensor | None, num_q_heads: int, device) -> None:
+    if not (logit_cap >= 0 and logit_cap != float("inf")):
+        raise ValueError(f"logit_cap must be finite and >= 0 (0: none), got {logit_cap}")
+    if sinks is not None:
+        if sinks.dtype != torch.float32 or sinks.shape != (num_q_heads,):
+            raise ValueError(
+                f"sinks must be float32 [{num_q_heads}], got {sinks.dtype} {tuple(sinks.shape)}"
+            )
+        if not sinks.is_contiguous() or sinks.device != torch.device(device):
+            raise ValueError(f"sinks must be contiguous on {device}")
+
+
+@triton.jit
+def soft_cap(x, cap):
+    """cap * tanh(x / cap), from exp2 (the same in the interpreter and on every GPU)."""
+    y = x / cap
+    e = tl.exp2(-2.8853900817779268 * tl.abs(y))  # exp(-2|y|)
+    t = (1.0 - e) / (1.0 + e)
+    return cap * tl.where(y >= 0, t, -t)

@@ -2,6 +2,10 @@
 
 Addressing is CSR over slot ids: request b's cached tokens are the rows
 ``kv_indices[kv_indptr[b] : kv_indptr[b+1]]`` of ``k_buffer``/``v_buffer`` ([num_slots, Hkv, D]).
+A sliding window W keeps only the last W of them: the programs start there (the list still
+holds every position, so one list serves the layers of every window). A logit cap turns the
+scores into cap * tanh(score / cap); sinks (one logit per query head) join the denominator
+in stage 2.
 Slot-level indices cover every page size: a page of size P is the slots p*P .. p*P+P-1, and
 since the pool is token-major a page never makes one head's rows contiguous, so a page-table
 form would only save the 4-byte index per token (under 1% of the K/V bytes read).
@@ -29,10 +33,13 @@ from ._common import (
     check_index,
     check_same_device,
     check_same_dtype,
+    check_variant,
     dot_in_fp32,
     dot_precision,
     next_pow2,
+    soft_cap,
     tile_dot,
+    window_arg,
 )
 
 _LOG2E = 1.4426950408889634
@@ -44,6 +51,7 @@ def num_kv_splits(
     seq_lens: torch.Tensor, num_kv_heads: int, num_sms: int, max_splits: int
 ) -> torch.Tensor:
     """Per-request split counts, int32 [B], computed on the device without a host sync.
+    Under a sliding window W, pass ``seq_lens.clamp(max=W)`` (the keys a row reads).
 
     Enough splits that the stage-1 grid has about 4 programs per SM (B*Hkv programs per split
     level), but no split shorter than MIN_SPLIT_LEN tokens and never more than max_splits.
@@ -65,6 +73,8 @@ def _decode_stage1(
     MidO,
     MidLse,
     sm_scale_log2,
+    cap_log2,
+    window,
     stride_qb,
     stride_qh,
     stride_kt,
@@ -83,6 +93,7 @@ def _decode_stage1(
     MAX_SPLITS: tl.constexpr,
     PRECISION: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    HAS_CAP: tl.constexpr,
 ):
     b = tl.program_id(0)
     g = tl.program_id(1)
@@ -92,6 +103,9 @@ def _decode_stage1(
     if s < n_splits:
         kv_start = tl.load(KvIndptr + b).to(tl.int64)
         kv_len = (tl.load(KvIndptr + b + 1) - kv_start).to(tl.int32)
+        skip = tl.maximum(kv_len - window, 0)  # the keys before the window
+        kv_start += skip
+        kv_len -= skip
         # Split boundaries are BLOCK_N-aligned so only the last tile of a split is ragged.
         split_len = tl.cdiv(tl.cdiv(kv_len, n_splits), BLOCK_N) * BLOCK_N
         lo = s * split_len
@@ -121,6 +135,8 @@ def _decode_stage1(
                 other=0.0,
             )
             qk = tile_dot(q, tl.trans(k), DOT_FP32, PRECISION) * sm_scale_log2
+            if HAS_CAP:
+                qk = soft_cap(qk, cap_log2)
             qk = tl.where(mask_n[None, :], qk, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))
             alpha = tl.exp2(m_i - m_new)
@@ -151,6 +167,7 @@ def _decode_stage2(
     MidO,
     MidLse,
     NumSplits,
+    Sinks,
     Out,
     stride_mob,
     stride_moh,
@@ -162,6 +179,7 @@ def _decode_stage2(
     MAX_SPLITS: tl.constexpr,
     BLOCK_S: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -181,6 +199,8 @@ def _decode_stage2(
         other=0.0,
     )
     total = tl.sum(w, 0)
+    if HAS_SINKS:  # its weight exp(sink) on the same scale (base 2, relative to m)
+        total += tl.exp2(tl.load(Sinks + h) * 1.4426950408889634 - m)
     out = tl.sum(part * w[:, None], 0) / tl.where(total > 0, total, 1.0)
     tl.store(Out + b * stride_ob + h * stride_oh + offs_d, out.to(Out.dtype.element_ty))
 
@@ -207,11 +227,19 @@ def decode_attention(
     mid_o: torch.Tensor | None = None,
     mid_lse: torch.Tensor | None = None,
     *,
+    window: int | None = None,
+    logit_cap: float = 0.0,
+    sinks: torch.Tensor | None = None,
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
 ) -> torch.Tensor:
     """o[b] = softmax(q[b] . K_b^T * sm_scale) V_b over request b's slots; returns o.
+
+    ``window``: only the last ``window`` slots of each request (None: all); ``logit_cap``
+    > 0: scores s become cap * tanh(s / cap); ``sinks``: float32 [Hq] logits added to each
+    head's softmax denominator only. With a window, num_kv_splits counts splits of the
+    windowed keys (see ``num_kv_splits``).
 
     q, o: [B, Hq, D]; k_buffer, v_buffer: [num_slots, Hkv, D]; kv_indptr: [B+1];
     kv_indices: slot ids; num_kv_splits: [B] in 1..max_splits (see ``num_kv_splits``; values
@@ -248,6 +276,8 @@ def decode_attention(
     num_kv_heads = k_buffer.shape[1]
     check_heads(num_q_heads, num_kv_heads)
     check_head_dim(head_dim)
+    check_variant(logit_cap, sinks, num_q_heads, q.device)
+    window = window_arg(window)
     if max_splits < 1:
         raise ValueError(f"max_splits must be >= 1, got {max_splits}")
     mid_shape = (batch, num_q_heads, max_splits)
@@ -281,6 +311,8 @@ def decode_attention(
         mid_o,
         mid_lse,
         sm_scale * _LOG2E,
+        logit_cap * _LOG2E,
+        window,
         q.stride(0),
         q.stride(1),
         k_buffer.stride(0),
@@ -299,6 +331,7 @@ def decode_attention(
         MAX_SPLITS=max_splits,
         PRECISION=dot_precision(q.dtype),
         DOT_FP32=dot_in_fp32(q),
+        HAS_CAP=logit_cap > 0,
         num_warps=num_warps,
         num_stages=num_stages,
     )
@@ -306,6 +339,7 @@ def decode_attention(
         mid_o,
         mid_lse,
         num_kv_splits,
+        sinks if sinks is not None else mid_lse,  # a placeholder pointer, never read
         o,
         mid_o.stride(0),
         mid_o.stride(1),
@@ -317,6 +351,7 @@ def decode_attention(
         MAX_SPLITS=max_splits,
         BLOCK_S=next_pow2(max_splits),
         HEAD_DIM=head_dim,
+        HAS_SINKS=sinks is not None,
         num_warps=4 if head_dim <= 128 else 8,
     )
     return o

@@ -10,6 +10,11 @@ Grid (ceil(max_extend_len / BLOCK_M), B, Hq). A program holds BLOCK_M queries of
 runs one online softmax (base 2) over stage 1, the prefix tiles (no mask but the length), then
 stage 2, the new-token tiles up to its own last query (causal mask ``key_pos <= query_pos``).
 A decode row in a mixed batch is a 1-token extend with its whole history as prefix.
+
+Variations: a sliding window W lets query position p see key positions p - W < j <= p only;
+both stages then start at the first key the block's earliest query sees (a long prefix
+costs its last W keys, not all of them). A logit cap turns the scores into
+cap * tanh(score / cap); sinks (one logit per query head) join the final denominator.
 """
 
 from __future__ import annotations
@@ -25,9 +30,12 @@ from ._common import (
     check_index,
     check_same_device,
     check_same_dtype,
+    check_variant,
     dot_in_fp32,
     dot_precision,
+    soft_cap,
     tile_dot,
+    window_arg,
 )
 
 _LOG2E = 1.4426950408889634
@@ -44,7 +52,10 @@ def _extend_kernel(
     QoIndptr,
     KvIndptr,
     KvIndices,
+    Sinks,
     sm_scale_log2,
+    cap_log2,
+    window,
     stride_qt,
     stride_qh,
     stride_kt,
@@ -63,6 +74,8 @@ def _extend_kernel(
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    HAS_CAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     m_block = tl.program_id(0)
     b = tl.program_id(1)
@@ -86,8 +99,11 @@ def _extend_kernel(
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
 
-        # Stage 1: the cached prefix, gathered through the slot list.
-        for start in range(0, prefix_len, BLOCK_N):
+        # Stage 1: the cached prefix, gathered through the slot list, from the first key the
+        # block's first query sees. Positions: query prefix_len + m, prefix key n.
+        q_pos = prefix_len + offs_m
+        lo = tl.maximum(prefix_len + m_block * BLOCK_M - window + 1, 0)
+        for start in range(lo, prefix_len, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
             mask_n = offs_n < prefix_len
             slot = tl.load(KvIndices + kv_start + offs_n, mask=mask_n, other=0).to(tl.int64)
@@ -97,10 +113,15 @@ def _extend_kernel(
                 other=0.0,
             )
             qk = tile_dot(q, tl.trans(k), DOT_FP32, PRECISION) * sm_scale_log2
-            qk = tl.where(mask_n[None, :], qk, float("-inf"))
+            if HAS_CAP:
+                qk = soft_cap(qk, cap_log2)
+            visible = mask_n[None, :] & (offs_n[None, :] > q_pos[:, None] - window)
+            qk = tl.where(visible, qk, float("-inf"))
+            # a row the window hides this whole tile from keeps m = -inf: subtract 0 instead
             m_new = tl.maximum(m_i, tl.max(qk, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(qk - m_new[:, None])
+            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_sub)
+            p = tl.exp2(qk - m_sub[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(
                 VBuf + slot[:, None] * stride_vbt + kvh * stride_vbh + offs_d[None, :],
@@ -110,10 +131,11 @@ def _extend_kernel(
             acc = acc * alpha[:, None] + tile_dot(p.to(v.dtype), v, DOT_FP32, PRECISION)
             m_i = m_new
 
-        # Stage 2: the new tokens, causally; key n is visible to query m iff n <= m. Every
-        # row sees key 0 in the first tile, so m_i is finite after it (no inf - inf).
+        # Stage 2: the new tokens, causally; key n is visible to query m iff n <= m (and
+        # m - window < n).
         stop = tl.minimum(q_len, (m_block + 1) * BLOCK_M)
-        for start in range(0, stop, BLOCK_N):
+        lo = tl.maximum(m_block * BLOCK_M - window + 1, 0)
+        for start in range(lo, stop, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
             mask_n = offs_n < q_len
             rows_n = q_start + offs_n
@@ -123,11 +145,15 @@ def _extend_kernel(
                 other=0.0,
             )
             qk = tile_dot(q, tl.trans(k), DOT_FP32, PRECISION) * sm_scale_log2
+            if HAS_CAP:
+                qk = soft_cap(qk, cap_log2)
             visible = mask_n[None, :] & (offs_n[None, :] <= offs_m[:, None])
+            visible &= offs_n[None, :] > offs_m[:, None] - window
             qk = tl.where(visible, qk, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(qk - m_new[:, None])
+            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_sub)
+            p = tl.exp2(qk - m_sub[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(
                 V + rows_n[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :],
@@ -137,7 +163,11 @@ def _extend_kernel(
             acc = acc * alpha[:, None] + tile_dot(p.to(v.dtype), v, DOT_FP32, PRECISION)
             m_i = m_new
 
-        out = acc / l_i[:, None]
+        # Every real row sees its own key, so l_i > 0 there; padding rows may see none.
+        denom = l_i
+        if HAS_SINKS:
+            denom += tl.exp2(tl.load(Sinks + h) * 1.4426950408889634 - m_i)
+        out = acc / tl.where(denom > 0, denom, 1.0)[:, None]
         tl.store(
             Out + rows_m[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
             out.to(Out.dtype.element_ty),
@@ -168,12 +198,19 @@ def extend_attention(
     sm_scale: float,
     block_m: int | None = None,
     block_n: int | None = None,
+    *,
+    window: int | None = None,
+    logit_cap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of the new tokens over prefix + themselves, written into o; returns o.
 
     q, o: [T, Hq, D]; k, v: [T, Hkv, D] (this step's keys/values, any token/head strides);
     k_buffer, v_buffer: [num_slots, Hkv, D]; qo_indptr, kv_indptr: [B+1]; kv_indices: the
     prefix slot ids; max_extend_len >= every request's new-token count (sizes the grid).
+    ``window``: query position p sees key positions p - window < j <= p (None: all <= p);
+    ``logit_cap`` > 0: scores s become cap * tanh(s / cap); ``sinks``: float32 [Hq] logits
+    added to each head's softmax denominator only.
     """
     for name, t in (("q", q), ("k", k), ("v", v), ("o", o)):
         check_float(name, t, 3)
@@ -210,6 +247,8 @@ def extend_attention(
         )
     check_heads(num_q_heads, k.shape[1])
     check_head_dim(head_dim)
+    check_variant(logit_cap, sinks, num_q_heads, q.device)
+    window = window_arg(window)
     if batch < 0:
         raise ValueError("qo_indptr must have at least one entry")
     if batch == 0 or num_tokens == 0:
@@ -231,7 +270,10 @@ def extend_attention(
         qo_indptr,
         kv_indptr,
         kv_indices,
+        sinks if sinks is not None else q,  # a placeholder pointer, never read
         sm_scale * _LOG2E,
+        logit_cap * _LOG2E,
+        window,
         q.stride(0),
         q.stride(1),
         k.stride(0),
@@ -250,6 +292,8 @@ def extend_attention(
         BLOCK_N=block_n,
         PRECISION=dot_precision(q.dtype),
         DOT_FP32=dot_in_fp32(q),
+        HAS_CAP=logit_cap > 0,
+        HAS_SINKS=sinks is not None,
         num_warps=num_warps,
         num_stages=num_stages,
     )

@@ -90,6 +90,13 @@ class ServerArgs:
         "Max prompt tokens per chunk; -1 disables chunking (default 8192 on CUDA, 512 on CPU).",
     )
     schedule_policy: str = _f("fcfs", "Waiting-queue order.", choices=SCHEDULE_POLICIES)
+    prefill_lookahead_requests: int = _f(
+        32,
+        "Waiting requests past the first one refused for KV memory that a prefill pass still "
+        "tries, so a small request is not held behind a large one; one that fits passes it "
+        "only while the refused one would not fit even without those that passed it (so it "
+        "cannot starve). 0: stop at the first refusal, as SGLang.",
+    )
     radix_eviction_policy: str = _f(
         "lru", "Prefix-cache eviction order.", choices=EVICTION_POLICIES
     )
@@ -180,7 +187,62 @@ class ServerArgs:
     allowed_origins: str = _f(
         "*",
         "CORS: comma-separated origins a browser page may call the server from; * (default, "
-        "as SGLang) allows any.",
+        "as SGLang) allows any. A request with an Origin header not in the list is refused "
+        "with 403 before it takes effect.",
+    )
+    # the front door on a network (README "Running it on a network"; server/limits.py)
+    max_request_bytes: int = _f(
+        2 << 20,
+        "Largest request body in bytes (HTTP 413 above); parsing JSON holds the GIL, about "
+        "1 us per value, so this bounds how long one body can stall the event loop.",
+    )
+    max_prompts_per_request: int = _f(1024, "Most prompts in one batch request.")
+    max_sequences_per_request: int = _f(
+        4096, "Most sequences one request may start: its prompts times n."
+    )
+    max_prompt_chars: int | None = _f(
+        None,
+        "Most characters in one prompt (or in a chat's message contents), checked before "
+        "tokenizing; default: 32 per token of the context length, at least 1,000,000.",
+    )
+    max_chat_messages: int = _f(4096, "Most messages in one chat request.")
+    max_top_logprobs_num: int = _f(
+        100,
+        "Most log-probs per token a request may ask for beyond the chosen one "
+        "(top_logprobs_num, and the length of token_ids_logprob); OpenAI routes stay at 20.",
+    )
+    max_logit_bias: int = _f(1024, "Most entries in one request's logit_bias.")
+    max_grammar_chars: int = _f(128 << 10, "Longest json_schema, regex or ebnf text in characters.")
+    max_json_depth: int = _f(64, "Deepest nesting of objects and arrays in a request body.")
+    timeout_keep_alive: float = _f(
+        5.0, "Seconds an idle keep-alive connection stays open after a response."
+    )
+    http_header_timeout: float = _f(
+        10.0,
+        "Seconds a client has to send a request's headers, from connecting or from the end "
+        "of the previous response (slow senders are closed).",
+    )
+    http_body_timeout: float = _f(
+        60.0, "Seconds a client has to send a request's body once its headers are in."
+    )
+    max_connections: int | None = _f(
+        None,
+        "Most open client connections; one more is answered 503 and closed. Default: "
+        "min(4096, what the open-file limit leaves after the server's own files and a "
+        "margin) (the soft limit is raised to the hard one at start-up).",
+    )
+    tokenizer_threads: int = _f(
+        4, "Threads that parse, template and tokenize requests off the event loop."
+    )
+    parse_special_tokens_in_content: bool = _f(
+        False,
+        "Tokenize special-token text in chat message content as the special tokens, as "
+        "SGLang and vLLM do (a message can then forge turns); by default it is plain text.",
+    )
+    expose_local_paths: bool = _f(
+        False,
+        "Show the resolved local model and tokenizer paths in /get_model_info, "
+        "/get_server_info and /v1/models (default: the model as given, or its served name).",
     )
     enable_metrics: bool = _f(
         False,
@@ -257,8 +319,14 @@ class ServerArgs:
     )
     grammar_compile_timeout: float = _f(
         30.0,
-        "Seconds a structured-output request may wait for its grammar to compile; then it is "
-        "aborted with a 503 (the compile goes on, so a retry can find it cached).",
+        "Seconds a structured-output request may wait for its grammar to compile, and one "
+        "compile may run; then the request is aborted with a 503 (a compile still within its "
+        "own time goes on, so a retry can find it cached; one past it is stopped).",
+    )
+    grammar_compile_max_memory_mb: int = _f(
+        1024,
+        "RAM one grammar compile may take (it runs in a child process, stopped past this: "
+        "HTTP 400, the grammar is too large); a compiled grammar may hold 1/16 of it.",
     )
     watchdog_timeout: float = _f(
         300.0,

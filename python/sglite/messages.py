@@ -120,14 +120,33 @@ class BatchTextOutput:
     logprobs: list[LogprobDelta | None] = field(default_factory=list)
 
 
+# What a child raises to refuse its input at start-up (a model, config field, GGUF or flag
+# sglite does not support; a missing file): the message is the whole story. Any other
+# exception is a bug, and its traceback is worth showing.
+REFUSALS = (ValueError, OSError, NotImplementedError, ImportError)
+
+
 @dataclass
 class ReadyMsg:
-    """Sent once by a child process when it is ready (or failed) at start-up."""
+    """Sent once by a child process when it is ready (or failed) at start-up. A failure
+    carries `error` (one line for a refusal, see REFUSALS; "Type: message" otherwise) and
+    the child's `traceback`, which the launcher logs at debug level for refusals."""
 
     process: str
     ok: bool
     error: str = ""
     info: dict[str, Any] = field(default_factory=dict)
+    traceback: str = ""
+    refusal: bool = False
+
+    @classmethod
+    def failed(cls, process: str, exc: BaseException) -> ReadyMsg:
+        import traceback
+
+        refusal = isinstance(exc, REFUSALS)
+        error = str(exc) if refusal and str(exc) else f"{type(exc).__name__}: {exc}"
+        tb = "".join(traceback.format_exception(exc))
+        return cls(process, False, error, traceback=tb, refusal=refusal)
 
 
 def encode(msg: Any) -> bytes:

@@ -2,11 +2,12 @@
 
 Children are spawned (never forked) without re-running the user's script, ignore Ctrl-C (the
 parent stops them with SIGTERM, then SIGKILL after a grace period) and die with their parent.
-`start()` blocks until every child reports ready (or one fails: `StartupError` with its
-traceback), logging progress while it waits; `watch()` reports a child that exits unasked,
-and `death_reason` says why in one sentence (a scheduler stopped by its watchdog exits with
-WATCHDOG_EXIT_CODE). With `--dp-size N` there are N schedulers, with `--tp-size N` the
-node's TP ranks (names in dp_replicas.py); only node 0 has a detokenizer.
+`start()` blocks until every child reports ready (or one fails: `StartupError`, one line
+naming the child and why; its traceback is logged, at debug level for a refusal), logging
+progress while it waits; `watch()` reports a child that exits unasked, and `death_reason`
+says why in one sentence (a scheduler stopped by its watchdog exits with WATCHDOG_EXIT_CODE).
+With `--dp-size N` there are N schedulers, with `--tp-size N` the node's TP ranks (names in
+dp_replicas.py); only node 0 has a detokenizer.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ Entry = str | Callable[..., Any]
 
 
 class StartupError(RuntimeError):
-    """The server could not start; the message says why (with the child's traceback)."""
+    """The server could not start; the message says why, in one line."""
 
 
 def setup_logging(level: str) -> None:
@@ -194,8 +195,7 @@ class ProcessGroup:
                     except EOFError:
                         msg = None
                     if msg is None or not msg.ok:
-                        error = msg.error if msg is not None else "(no message)"
-                        raise StartupError(f"{describe_process(name)} failed to start:\n{error}")
+                        raise self._startup_error(name, msg)
                     infos[name] = msg.info
                     del pending[name]
                     logger.info("%s ready (pid %d, %.1f s)", name, proc.pid, time.monotonic() - t0)
@@ -212,6 +212,18 @@ class ProcessGroup:
                     time.monotonic() - t0,
                 )
         return infos[self.schedulers[0]]
+
+    @staticmethod
+    def _startup_error(name: str, msg: Any) -> StartupError:
+        """One line naming the process and why; the child's traceback goes to the debug
+        log for a refusal (see messages.REFUSALS), to the error log for a bug."""
+        who = describe_process(name)
+        if msg is None:
+            return StartupError(f"{who} failed to start (it sent no message)")
+        if msg.traceback:
+            log = logger.debug if msg.refusal else logger.error
+            log("%s failed to start; its traceback:\n%s", who, msg.traceback.rstrip())
+        return StartupError(f"{who} failed to start: {msg.error}")
 
     def watch(self, on_death: Callable[[str, int | None], None]) -> None:
         """Call `on_death(name, exitcode)` (from a thread) if a child exits unasked."""

@@ -9,6 +9,10 @@
 `cpu` is torch_native with decode rows computed by the native kernel (rust/attn); where that
 kernel cannot run (no native module), the CPU default is torch_native.
 
+Every backend computes the per-layer variations RadixAttention declares (sliding window,
+logit soft-cap, attention sinks; `AttentionBackend.features`), and reads only the keys a
+window lets a row see. `attend.py` holds the torch math the torch paths share.
+
 Backends are imported only when chosen, so a missing triton does not break the CPU path.
 """
 

@@ -20,6 +20,11 @@ Contract
   0..p of request i (its cached prefix, then causally within the new tokens). Decode: the
   single new token attends to positions 0..seq_len-1.
 - `forward` must not change `batch` or the pools (other than what `save_kv` wrote).
+- Per-layer variations (see `sglite.layers.radix_attention`): `layer.sliding_window` W
+  narrows the keys of position p to p - W < j <= p; `layer.logit_cap` caps the scores;
+  `layer.sinks` adds one logit per query head to the softmax's denominator. A backend lists
+  the ones it computes in `features`; the base constructor refuses a model whose layers use
+  any other (a clear ValueError, never a silently different result).
 
 CUDA graph hooks (optional; `supports_cuda_graph` says whether a backend has them). Decode
 runs inside a captured graph only on backends that implement all three; the others run it
@@ -51,11 +56,43 @@ if TYPE_CHECKING:
     from sglite.model_executor.model_runner import ModelRunner
 
 
+def layer_features(layer: RadixAttention) -> set[str]:
+    """The variations of plain causal softmax attention that `layer` uses."""
+    used = set()
+    if layer.sliding_window is not None:
+        used.add("sliding_window")
+    if layer.logit_cap:
+        used.add("logit_cap")
+    if layer.sinks is not None:
+        used.add("sinks")
+    return used
+
+
 class AttentionBackend(ABC):
     """Paged attention over the KV pool. See the module docstring for the contract."""
 
+    # The per-layer variations this backend computes (see the module docstring).
+    features: frozenset[str] = frozenset()
+
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
+        self.check_layers(getattr(runner, "model", None))
+
+    def check_layers(self, model) -> None:
+        """Refuse a model with a layer this backend cannot compute exactly."""
+        from sglite.layers.radix_attention import RadixAttention
+
+        if model is None:
+            return
+        for module in model.modules():
+            if isinstance(module, RadixAttention):
+                missing = layer_features(module) - self.features
+                if missing:
+                    raise ValueError(
+                        f"attention backend {type(self).__name__} cannot compute "
+                        f"{', '.join(sorted(missing))} (layer {module.layer_id}); "
+                        "use --attention-backend torch_native"
+                    )
 
     @abstractmethod
     def init_forward_metadata(self, batch: ForwardBatch) -> None:

@@ -2,20 +2,23 @@
 
 Decode batches and the decode rows of mixed batches attend through
 `sglite.attention.cpu_kernel` (rust/attn), which reads each row's K/V in place from the
-pool. torch_native gathers them into a padded copy in every layer instead, which on a
+pool (under a sliding window, only the row's last W keys; logit caps and sinks in the
+kernel too). torch_native gathers them into a padded copy in every layer instead, which on a
 1,000-token context costs several times the decode step's matrix multiplications.
 
-A request with several new tokens over a cached prefix attends in two mask-free parts
-merged by their log-sum-exp: every new token sees the whole prefix (one flash call, the
-query heads of a KV group stacked along the query axis, so no K/V copy per query head),
-and the new tokens see each other causally. torch_native builds a `[new, prefix + new]` mask
-instead, which the flash kernel reads for every block (measured: 1.95 -> 1.52 ms for 128
-tokens over a 1,024-token prefix, 9 heads). Requests without a prefix keep torch_native's
-causal SDPA.
+A request with several new tokens over a cached prefix, where the window hides nothing,
+attends in two mask-free parts merged by their log-sum-exp: every new token sees the whole
+prefix (one flash call, the query heads of a KV group stacked along the query axis, so no
+K/V copy per query head), and the new tokens see each other causally; sinks join the merge's
+denominator. torch_native builds a `[new, prefix + new]` mask instead, which the flash kernel
+reads for every block (measured: 1.95 -> 1.52 ms for 128 tokens over a 1,024-token prefix,
+9 heads). Requests without a prefix, segments a window cuts (they need a mask) and layers
+with a logit cap (flash cannot cap) take torch_native's path.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -31,13 +34,16 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True, eq=False)
 class _PoolRows:
-    """One-token requests, planned for the kernel once per forward."""
+    """One-token requests, planned for the kernel once per forward (and window)."""
 
     plan: cpu_kernel.DecodeRows
     tokens: torch.Tensor | None = None  # their token indices in a mixed batch
 
 
 class CpuAttnBackend(TorchNativeAttnBackend):
+    # Segments whose cached keys are all visible carry no mask: `_attend_segment` merges.
+    mask_cached_keys = False
+
     def __init__(self, runner) -> None:
         reason = cpu_kernel.unavailable_reason()
         if reason is None and runner.device.type != "cpu":
@@ -51,7 +57,9 @@ class CpuAttnBackend(TorchNativeAttnBackend):
             )
         super().__init__(runner)
 
-    def _rows(self, batch: ForwardBatch, which, seq_lens: list[int], tokens=None) -> _PoolRows:
+    def _rows(
+        self, batch: ForwardBatch, which, seq_lens: list[int], window: int | None, tokens=None
+    ) -> _PoolRows:
         pool_rows = batch.req_pool_indices
         if len(which) != batch.batch_size:
             pool_rows = pool_rows[torch.tensor(list(which), device=pool_rows.device)]
@@ -60,6 +68,7 @@ class CpuAttnBackend(TorchNativeAttnBackend):
             pool_rows.to(torch.int64).contiguous(),
             torch.tensor(seq_lens, dtype=torch.int64),
             batch.kv_pool.k_buffer[0].shape[1],
+            window,
         )
         return _PoolRows(plan, tokens)
 
@@ -68,14 +77,25 @@ class CpuAttnBackend(TorchNativeAttnBackend):
     ) -> torch.Tensor:
         pool = batch.kv_pool
         k, v = pool.k_buffer[layer.layer_id], pool.v_buffer[layer.layer_id]
-        return rows.plan.attend(q.to(k.dtype).contiguous(), k, v, layer.scaling).to(q.dtype)
+        out = rows.plan.attend(
+            q.to(k.dtype).contiguous(),
+            k,
+            v,
+            layer.scaling,
+            logit_cap=layer.logit_cap,
+            sinks=layer.sinks,
+        )
+        return out.to(q.dtype)
 
-    def _segment(self, table: torch.Tensor, row, start: int, prefix: int, ext: int) -> _Segment:
-        """Only the prefix's slots: the new tokens' K/V come from this step's tensors."""
-        return _Segment(start, ext, table[row, :prefix].to(torch.int64), None)
-
-    def _attend_segment(self, q, k, v, layer: RadixAttention, batch: ForwardBatch, seg):
-        if seg.kv_slots is None:
+    def _attend_segment(
+        self, q, k, v, layer: RadixAttention, batch: ForwardBatch, seg: _Segment
+    ) -> torch.Tensor:
+        if seg.kv_slots is None or seg.mask is not None:
+            return super()._attend_segment(q, k, v, layer, batch, seg)
+        if layer.logit_cap:  # the written-out softmax, with the mask the merge avoids
+            num_cached = seg.kv_slots.shape[0]
+            mask = torch.ones(seg.length, num_cached + seg.length, dtype=torch.bool)
+            seg = dataclasses.replace(seg, mask=mask.tril_(num_cached))
             return super()._attend_segment(q, k, v, layer, batch, seg)
         end = seg.start + seg.length
         pool = batch.kv_pool
@@ -108,11 +128,18 @@ class CpuAttnBackend(TorchNativeAttnBackend):
         )
         lse_prefix, lse_new = lse_prefix.reshape(num_heads, n), lse_new.reshape(num_heads, n)
         top = torch.maximum(lse_prefix, lse_new)
+        sinks = None
+        if layer.sinks is not None:
+            sinks = layer.sinks.detach().float().view(num_heads, 1)
+            top = torch.maximum(top, sinks)
         w_prefix = (lse_prefix - top).exp_().unsqueeze(-1)
         w_new = (lse_new - top).exp_().unsqueeze(-1)
         merged = out_prefix.reshape(num_heads, n, d).float() * w_prefix
         merged += out_new.reshape(num_heads, n, d).float() * w_new
-        merged /= w_prefix + w_new
+        denom = w_prefix + w_new
+        if sinks is not None:
+            denom += (sinks - top).exp_().unsqueeze(-1)
+        merged /= denom
         return merged.to(q.dtype).transpose(0, 1)
 
 

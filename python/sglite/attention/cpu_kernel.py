@@ -1,8 +1,9 @@
 """Launcher of the native CPU decode-attention kernel (`sglite._core.decode_attention`).
 
 The kernel (rust/attn) reads K/V in place from one layer of the KV pool: query row i attends
-to the slots `table[rows[i], :seq_lens[i]]`, GQA query head h to KV head
-`h // (num_heads // num_kv_heads)`. A forward pass plans its rows once (`DecodeRows`) and
+to the slots `table[rows[i], :seq_lens[i]]` (with a sliding window W, only the last W of
+them), GQA query head h to KV head `h // (num_heads // num_kv_heads)`; a layer may cap its
+logits and add sinks (see `sglite.layers.radix_attention`). A forward pass plans its rows once (`DecodeRows`) and
 attends in every layer; this module checks the layout contract (CPU, dtype, shape,
 contiguity), keeps the tensors alive for each call and returns the output.
 
@@ -73,11 +74,16 @@ class DecodeRows:
     """One forward's one-token rows, planned once (`sglite._core.DecodePlan`: the rows' slots
     copied and checked, rows sharing a cached prefix grouped), then attended in every layer.
 
-    `table` int32 `[R, W]` (the request table), `rows` and `seq_lens` int64 `[n]`: row i
-    attends to the slots `table[rows[i], :seq_lens[i]]`."""
+    `table` int32 `[R, C]` (the request table), `rows` and `seq_lens` int64 `[n]`: row i
+    attends to the slots `table[rows[i], :seq_lens[i]]`, or to their last `window`."""
 
     def __init__(
-        self, table: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor, num_kv_heads: int
+        self,
+        table: torch.Tensor,
+        rows: torch.Tensor,
+        seq_lens: torch.Tensor,
+        num_kv_heads: int,
+        window: int | None = None,
     ) -> None:
         from sglite import _core
 
@@ -90,11 +96,13 @@ class DecodeRows:
                 f"decode_attention: rows {tuple(rows.shape)} and seq_lens "
                 f"{tuple(seq_lens.shape)} must both be [n]"
             )
+        if window is not None and window < 1:
+            raise ValueError(f"decode_attention: window must be >= 1 or None, got {window}")
         _check_cpu_contiguous(table, rows, seq_lens)
         share_torch_openmp()
         self.num_rows = rows.shape[0]
         self.plan = _core.DecodePlan(
-            _raw(table), table.shape[1], _raw(rows), _raw(seq_lens), num_kv_heads
+            _raw(table), table.shape[1], _raw(rows), _raw(seq_lens), num_kv_heads, window
         )
 
     def attend(
@@ -104,8 +112,12 @@ class DecodeRows:
         v_buffer: torch.Tensor,
         scale: float,
         num_threads: int | None = None,
+        *,
+        logit_cap: float = 0.0,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """q `[n, H, D]` over one layer's k/v `[num_slots, KVH, D]`; returns `[n, H, D]`."""
+        """q `[n, H, D]` over one layer's k/v `[num_slots, KVH, D]`; returns `[n, H, D]`.
+        `logit_cap` (0: none) caps the scores; `sinks` `[H]` join the softmax's denominator."""
         if q.dim() != 3 or k_buffer.dim() != 3 or k_buffer.shape != v_buffer.shape:
             raise ValueError(
                 f"decode_attention: q must be [n, H, D] and k/v [slots, KVH, D] alike; got "
@@ -123,6 +135,15 @@ class DecodeRows:
                 f"{q.dtype}, {k_buffer.dtype}, {v_buffer.dtype}"
             )
         _check_cpu_contiguous(q, k_buffer, v_buffer)
+        sink_arg = None
+        if sinks is not None:
+            if sinks.shape != (num_heads,) or sinks.device.type != "cpu":
+                raise ValueError(
+                    f"decode_attention: sinks must be [{num_heads}] on the CPU, got "
+                    f"{tuple(sinks.shape)} on {sinks.device}"
+                )
+            sinks = sinks.detach().to(torch.float32).contiguous()
+            sink_arg = _raw(sinks)
         out = torch.empty_like(q)
         self.plan.run(
             _raw(q),
@@ -135,6 +156,8 @@ class DecodeRows:
             float(scale),
             _DTYPES[q.dtype],
             num_threads if num_threads is not None else torch.get_num_threads(),
+            float(logit_cap),
+            sink_arg,
         )
         return out
 
@@ -148,14 +171,18 @@ def decode_attention(
     seq_lens: torch.Tensor,
     scale: float,
     num_threads: int | None = None,
+    *,
+    window: int | None = None,
+    logit_cap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One layer, planned and run at once (see `DecodeRows`)."""
     if k_buffer.dim() != 3:
         raise ValueError(
             f"decode_attention: k must be [slots, KVH, D], got {tuple(k_buffer.shape)}"
         )
-    plan = DecodeRows(table, rows, seq_lens, k_buffer.shape[1])
-    return plan.attend(q, k_buffer, v_buffer, scale, num_threads)
+    plan = DecodeRows(table, rows, seq_lens, k_buffer.shape[1], window)
+    return plan.attend(q, k_buffer, v_buffer, scale, num_threads, logit_cap=logit_cap, sinks=sinks)
 
 
 def _check_cpu_contiguous(*tensors: torch.Tensor) -> None:

@@ -10,14 +10,18 @@ no host sync (lengths come from the batch's `*_cpu` mirrors):
 
 Every layer then stores its K/V with the `store_kv` kernel (`save_kv`) and runs one kernel:
 split-KV decode, or extend (prefix through the slot list, new tokens from this step's k/v).
-Slot-level indices work for any page size. On CPU the kernels run only through Triton's
+Slot-level indices work for any page size. The per-layer variations go to the kernels as
+arguments: a layer's sliding window makes the kernels start each row at its window (the
+slot lists still cover every position, so all layers share them); only the decode split
+counts depend on the window (they split the keys a row reads), one tensor per window. On CPU the kernels run only through Triton's
 interpreter (TRITON_INTERPRET=1 before start-up), which the test suite uses.
 
 CUDA graphs (decode): `init_cuda_graph_state` allocates one set of fixed-size buffers
-(`_GraphBuffers`) for the largest captured batch; a captured batch of bs rows reads views of
-their first rows, and `init_forward_metadata_replay` refills them in place before each replay
-(kv_indices holds up to max_bs * context-length slot ids, so any lengths fit). Real rows get
-the same split counts as in eager mode (computed over the real rows only), padded rows one.
+(`_GraphBuffers`) for the largest captured batch, with split counts for each window the
+model's layers use; a captured batch of bs rows reads views of their first rows, and
+`init_forward_metadata_replay` refills them in place before each replay (kv_indices holds up
+to max_bs * context-length slot ids, so any lengths fit). Real rows get the same split
+counts as in eager mode (computed over the real rows only), padded rows one.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from sglite.attention.base import AttentionBackend
+from sglite.layers.radix_attention import RadixAttention
 from sglite_kernels import (
     decode_attention,
     extend_attention,
@@ -38,7 +43,6 @@ from sglite_kernels import (
 )
 
 if TYPE_CHECKING:
-    from sglite.layers.radix_attention import RadixAttention
     from sglite.model_executor.forward_batch import ForwardBatch
 
 # Upper bound of decode splits per request: the stage-1 grid's third dim and the scratch size.
@@ -49,8 +53,9 @@ MAX_KV_SPLITS = 16
 class _Metadata:
     kv_indptr: torch.Tensor  # [B+1] int32
     kv_indices: torch.Tensor  # int32 slot ids
-    # Decode only.
-    num_kv_splits: torch.Tensor | None = None
+    # Decode only: split counts per sliding window (None: full attention), made on first use
+    # in eager mode and bound to the graph buffers under CUDA graphs.
+    num_kv_splits: dict[int | None, torch.Tensor] | None = None
     mid_o: torch.Tensor | None = None  # split scratch, allocated by the first layer
     mid_lse: torch.Tensor | None = None
     # Extend only.
@@ -64,13 +69,13 @@ class _GraphBuffers:
 
     kv_indptr: torch.Tensor  # [max_bs + 1] int32, entry 0 stays 0
     kv_indices: torch.Tensor  # [max_bs * max_context_len] int32
-    num_kv_splits: torch.Tensor  # [max_bs] int32
+    num_kv_splits: dict[int | None, torch.Tensor]  # window -> [max_bs] int32
     mid_o: torch.Tensor  # [max_bs, num_heads, MAX_KV_SPLITS, head_dim] float32
     mid_lse: torch.Tensor  # [max_bs, num_heads, MAX_KV_SPLITS] float32
 
     @property
     def max_bs(self) -> int:
-        return self.num_kv_splits.shape[0]
+        return self.kv_indptr.shape[0] - 1
 
 
 def _indptr(lens: torch.Tensor) -> torch.Tensor:
@@ -79,10 +84,18 @@ def _indptr(lens: torch.Tensor) -> torch.Tensor:
     return indptr
 
 
+def _window_lens(seq_lens: torch.Tensor, window: int | None) -> torch.Tensor:
+    """The keys each decode row reads."""
+    return seq_lens if window is None else seq_lens.clamp(max=window)
+
+
 class TritonAttnBackend(AttentionBackend):
+    features = frozenset({"sliding_window", "logit_cap", "sinks"})
+
     def __init__(self, runner) -> None:
         super().__init__(runner)
         self._meta: _Metadata | None = None
+        self._batch: ForwardBatch | None = None
         self._num_sms: int | None = None
         self._graph: _GraphBuffers | None = None
 
@@ -107,10 +120,28 @@ class TritonAttnBackend(AttentionBackend):
 
     def _decode_metadata(self, batch: ForwardBatch) -> _Metadata:
         kv_indptr, kv_indices = self._slot_lists(batch, batch.seq_lens, sum(batch.seq_lens_cpu))
-        splits = num_kv_splits(
-            batch.seq_lens, batch.kv_pool.num_kv_heads, self._sm_count(batch), MAX_KV_SPLITS
+        self._batch = batch
+        return _Metadata(kv_indptr, kv_indices, num_kv_splits={})
+
+    def _splits(self, batch: ForwardBatch, seq_lens: torch.Tensor, window: int | None):
+        return num_kv_splits(
+            _window_lens(seq_lens, window),
+            batch.kv_pool.num_kv_heads,
+            self._sm_count(batch),
+            MAX_KV_SPLITS,
         )
-        return _Metadata(kv_indptr, kv_indices, num_kv_splits=splits)
+
+    def _splits_for(self, window: int | None) -> torch.Tensor:
+        splits = self._meta.num_kv_splits.get(window)
+        if splits is None:  # eager only: graph metadata holds every window's
+            if self._batch is None:
+                raise ValueError(
+                    f"sliding window {window} is not among the windows the CUDA-graph "
+                    f"buffers were made for ({sorted(map(str, self._meta.num_kv_splits))})"
+                )
+            splits = self._splits(self._batch, self._batch.seq_lens, window)
+            self._meta.num_kv_splits[window] = splits
+        return splits
 
     def _extend_metadata(self, batch: ForwardBatch) -> _Metadata:
         kv_indptr, kv_indices = self._slot_lists(
@@ -145,7 +176,9 @@ class TritonAttnBackend(AttentionBackend):
             kv_indices=torch.zeros(
                 max_bs * table.max_context_len, dtype=torch.int32, device=device
             ),
-            num_kv_splits=torch.ones(max_bs, dtype=torch.int32, device=device),
+            num_kv_splits={
+                w: torch.ones(max_bs, dtype=torch.int32, device=device) for w in self._windows()
+            },
             mid_o=torch.zeros((*split_shape, cfg.head_dim), dtype=torch.float32, device=device),
             mid_lse=torch.zeros(split_shape, dtype=torch.float32, device=device),
         )
@@ -160,10 +193,11 @@ class TritonAttnBackend(AttentionBackend):
         self._meta = _Metadata(
             g.kv_indptr[: bs + 1],
             g.kv_indices,
-            num_kv_splits=g.num_kv_splits[:bs],
+            num_kv_splits={w: splits[:bs] for w, splits in g.num_kv_splits.items()},
             mid_o=g.mid_o[:bs],
             mid_lse=g.mid_lse[:bs],
         )
+        self._batch = None  # every window's split counts live in the graph buffers
         self.init_forward_metadata_replay(batch, bs)
 
     def init_forward_metadata_replay(self, batch: ForwardBatch, num_real: int) -> None:
@@ -174,11 +208,15 @@ class TritonAttnBackend(AttentionBackend):
         fill_kv_indices(
             table, batch.req_pool_indices, seq_lens, g.kv_indptr[: bs + 1], g.kv_indices
         )
-        splits = num_kv_splits(
-            seq_lens[:num_real], batch.kv_pool.num_kv_heads, self._sm_count(batch), MAX_KV_SPLITS
-        )
-        g.num_kv_splits[:num_real].copy_(splits)
-        g.num_kv_splits[num_real:bs].fill_(1)
+        for window, buf in g.num_kv_splits.items():
+            buf[:num_real].copy_(self._splits(batch, seq_lens[:num_real], window))
+            buf[num_real:bs].fill_(1)
+
+    def _windows(self) -> set[int | None]:
+        """The sliding windows of the model's layers (None: full attention), for the graphs."""
+        model = getattr(self.runner, "model", None)
+        layers = model.modules() if model is not None else ()
+        return {None} | {m.sliding_window for m in layers if isinstance(m, RadixAttention)}
 
     # ------------------------------------------------------------------ per layer
     def save_kv(
@@ -215,11 +253,12 @@ class TritonAttnBackend(AttentionBackend):
             out,
             meta.kv_indptr,
             meta.kv_indices,
-            meta.num_kv_splits,
+            self._splits_for(layer.sliding_window),
             MAX_KV_SPLITS,
             layer.scaling,
             meta.mid_o,
             meta.mid_lse,
+            **_variant(layer),
         )
         return out.to(q.dtype)
 
@@ -246,5 +285,14 @@ class TritonAttnBackend(AttentionBackend):
             meta.kv_indices,
             meta.max_extend_len,
             layer.scaling,
+            **_variant(layer),
         )
         return out.to(q.dtype)
+
+
+def _variant(layer: RadixAttention) -> dict:
+    """The kernels' keyword arguments for the layer's window, logit cap and sinks."""
+    sinks = layer.sinks
+    if sinks is not None:
+        sinks = sinks.detach().to(torch.float32).contiguous()
+    return dict(window=layer.sliding_window, logit_cap=layer.logit_cap, sinks=sinks)

@@ -91,6 +91,13 @@ class GrammarBackend(ABC):
     def matcher(self, compiled: Any) -> Grammar:
         """A fresh matcher at the start of `compiled` (a value `compile` returned)."""
 
+    def compiled_bytes(self, compiled: Any) -> int:
+        """Memory a compiled grammar holds (the compile cache is bounded by it)."""
+        return 0
+
+    def shutdown(self) -> None:  # noqa: B027 - optional hook
+        """Stop what compiles run on (compile processes)."""
+
 
 class NullGrammarBackend(GrammarBackend):
     """Structured output disabled: every grammar is refused with `reason`."""

@@ -7,9 +7,12 @@ the requests whose grammar is ready (each with a fresh matcher in `req.grammar`,
 waiting queue) and those that cannot run: the grammar is invalid (400 with the backend's
 message) or took longer than `timeout_s` (503). Unconstrained requests never pass through here.
 
-Compiles are cached by key `(kind, text)`, errors included, in a bounded LRU of futures: a
-second request with the same grammar shares the first one's compile, finished or not. A
-timed-out compile keeps running and lands in the cache, so a retry can find it there.
+Compiles are cached by key `(kind, text)`, errors included, in an LRU of futures bounded by
+count and by the bytes the compiled grammars hold (`backend.compiled_bytes`): a second request
+with the same grammar shares the first one's compile, finished or not. A request whose own
+deadline passed while its compile still runs gets a 503 and the compile lands in the cache, so
+a retry can find it there; a compile stopped at its deadline (CompileTimeout) or one whose
+process died is not cached (a retry compiles again, under the same limits).
 
 Under tensor parallelism every rank compiles too (its matchers decide when a request
 finishes), but which requests leave the queue depends on time (a compile done or not yet,
@@ -28,14 +31,16 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from sglite.constrained.base import GrammarBackend, GrammarError, GrammarKey
+from sglite.constrained.compile_process import CompileCrashed, CompileTimeout
 
 if TYPE_CHECKING:
     from sglite.scheduler.req import Req
 
 NUM_COMPILE_THREADS = 2
 CACHE_SIZE = 256  # compiled grammars kept (least recently used first out)
-IDLE_WAIT_S = 0.005
-READY = 0  # the verdict of a request whose grammar compiled  # the longest an idle scheduler sleeps in wait() before it polls again
+CACHE_BYTES = 256 << 20  # and at most this much memory held by them
+IDLE_WAIT_S = 0.005  # the longest an idle scheduler sleeps in wait() before it polls again
+READY = 0  # the verdict of a request whose grammar compiled
 
 
 @dataclass
@@ -63,6 +68,7 @@ class GrammarQueue:
         *,
         num_threads: int = NUM_COMPILE_THREADS,
         cache_size: int = CACHE_SIZE,
+        cache_bytes: int = CACHE_BYTES,
         clock: Callable[[], float] = time.monotonic,
         agree: Callable[[dict], dict] | None = None,
     ):
@@ -71,6 +77,7 @@ class GrammarQueue:
         self.timeout_s = timeout_s
         self.num_threads = num_threads
         self.cache_size = cache_size
+        self.cache_bytes = cache_bytes
         self.clock = clock
         self.cache: OrderedDict[GrammarKey, Future] = OrderedDict()
         self.num_cache_hits = 0
@@ -114,22 +121,36 @@ class GrammarQueue:
     def _verdicts(self, now: float) -> dict[str, tuple[int, str]]:
         """rid -> (READY, "") or (status code, message) for each request that leaves now."""
         out: dict[str, tuple[int, str]] = {}
+        landed = False
         for w in self._queue:
             if w.compiled.done():
+                landed = True
                 error = w.compiled.exception()
                 if error is None:
                     out[w.req.rid] = (READY, "")
                 elif isinstance(error, GrammarError):
                     out[w.req.rid] = (400, str(error))
+                elif isinstance(error, CompileTimeout):
+                    out[w.req.rid] = (503, str(error))
+                    self._forget(w)
                 else:
                     out[w.req.rid] = (500, f"{w.key[0]}: the grammar failed to compile: {error}")
+                    if isinstance(error, CompileCrashed):
+                        self._forget(w)
             elif now >= w.deadline:
                 out[w.req.rid] = (
                     503,
                     f"{w.key[0]}: the grammar did not compile within {self.timeout_s:g} s "
                     "(--grammar-compile-timeout); it is still compiling, retry later",
                 )
+        if landed:
+            self._evict()
         return out
+
+    def _forget(self, w: _Waiting) -> None:
+        """Drop a compile that was stopped or crashed from the cache: a retry compiles anew."""
+        if self.cache.get(w.key) is w.compiled:
+            del self.cache[w.key]
 
     def remove(self, hit: Callable[[Req], bool]) -> list[Req]:
         """Take the waiting requests that `hit` selects out of the queue (aborts)."""
@@ -146,6 +167,7 @@ class GrammarQueue:
     def shutdown(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
+        self.backend.shutdown()
 
     def _compiled(self, key: GrammarKey) -> Future:
         future = self.cache.get(key)
@@ -163,10 +185,22 @@ class GrammarQueue:
         return future
 
     def _evict(self) -> None:
-        """Drop the least recently used finished compiles beyond the cache size."""
-        excess = len(self.cache) - self.cache_size
-        for key in [k for k, f in self.cache.items() if f.done()][: max(excess, 0)]:
+        """Drop the least recently used finished compiles beyond the cache's count or bytes
+        (a request that holds one keeps it alive until it got its matcher)."""
+        done = [(k, f) for k, f in self.cache.items() if f.done()]
+        sizes = {k: self._bytes(f) for k, f in done}
+        excess, held = len(self.cache) - self.cache_size, sum(sizes.values())
+        for key, _ in done:
+            if excess <= 0 and held <= self.cache_bytes:
+                break
             del self.cache[key]
+            excess -= 1
+            held -= sizes[key]
+
+    def _bytes(self, future: Future) -> int:
+        if future.exception() is not None:
+            return 0
+        return self.backend.compiled_bytes(future.result())
 
     def stats(self) -> dict[str, Any]:
         return {

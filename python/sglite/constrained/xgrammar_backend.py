@@ -7,6 +7,11 @@ the compiler are built once, lazily, by the first compile.
 JSON is generated without free whitespace (`any_whitespace=False`: `{"a": 1, "b": [2, 3]}`,
 json.dumps' layout), so a model cannot spend its tokens on blank space; object properties
 follow xgrammar's strict mode (no properties beyond the schema's, as OpenAI's `strict`).
+
+Where compiles run: with compile limits (a server: `--grammar-compile-timeout`,
+`--grammar-compile-max-memory-mb`) in child processes that are stopped at the deadline or the
+memory cap (compile_process.py), the compiled grammar coming back serialized; without (tests,
+in-process tools) on the calling thread.
 """
 
 from __future__ import annotations
@@ -77,50 +82,140 @@ class XGrammarMatcher(Grammar):
         self.m.rollback(num_tokens)
 
 
+def _threads() -> int:
+    return max(1, min(MAX_COMPILER_THREADS, os.cpu_count() or 1))
+
+
+class InProcessCompiles:
+    """Compiles on the calling thread (no limits)."""
+
+    def __init__(self, info: Any):
+        # our GrammarQueue caches compiled grammars (bounded); xgrammar's own cache would
+        # keep every grammar ever seen
+        self.compiler = _xgr().GrammarCompiler(info, max_threads=_threads(), cache_enabled=False)
+
+    def compile(self, key: GrammarKey) -> Any:
+        kind, text = key
+        try:
+            if kind == "json_schema":
+                return self.compiler.compile_json_schema(text, any_whitespace=False)
+            if kind == "regex":
+                return self.compiler.compile_regex(text)
+            if kind == "ebnf":
+                return self.compiler.compile_grammar(text)
+        except RuntimeError as e:
+            raise problem(key, e) from None
+        raise GrammarError(f"unknown grammar kind {kind!r}")
+
+    def shutdown(self) -> None:
+        pass
+
+
+class IsolatedCompiles:
+    """Compiles in child processes (one per concurrent caller), stopped at `timeout_s` or
+    `max_memory_bytes` (compile_process.py)."""
+
+    def __init__(self, timeout_s: float, max_memory_bytes: int):
+        from sglite.constrained.compile_process import COMPILED_SHARE, CompileProcess
+
+        self.limits = dict(
+            timeout_s=timeout_s,
+            max_memory_bytes=max_memory_bytes,
+            max_compiled_bytes=max_memory_bytes // COMPILED_SHARE,
+            max_threads=_threads(),
+        )
+        first = CompileProcess(None, **self.limits)
+        first.spawn()  # it imports xgrammar while `set_info`'s caller builds the TokenizerInfo
+        self.info: Any = None
+        self.info_json: str | None = None
+        self.idle: list = [first]  # CompileProcess objects no caller is using
+        self.all: list = [first]
+        self.lock = threading.Lock()
+
+    def set_info(self, info: Any) -> None:
+        self.info, self.info_json = info, info.serialize_json()
+        for proc in self.all:
+            proc.init["tokenizer_info"] = self.info_json
+
+    def compile(self, key: GrammarKey) -> Any:
+        from sglite.constrained.compile_process import CompileProcess
+
+        with self.lock:
+            proc = self.idle.pop() if self.idle else None
+            if proc is None:
+                proc = CompileProcess(self.info_json, **self.limits)
+                self.all.append(proc)
+        try:
+            status, payload = proc.compile(key)
+        finally:
+            with self.lock:
+                self.idle.append(proc)
+        if status == "invalid":
+            raise problem(key, RuntimeError(payload))
+        return _xgr().CompiledGrammar.deserialize_json(payload, self.info)
+
+    def shutdown(self) -> None:
+        with self.lock:
+            for proc in self.all:
+                proc.close()
+
+
 class XGrammarBackend(GrammarBackend):
     """`tokenizer`: the HF tokenizer; `vocab_size`: the model's (logits' width); the grammar
-    ends with one of `stop_token_ids` (the model's EOS ids)."""
+    ends with one of `stop_token_ids` (the model's EOS ids). With `compile_timeout_s` and
+    `compile_max_memory_mb`, compiles run in child processes under those limits."""
 
     name = "xgrammar"
 
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int]):
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        stop_token_ids: Sequence[int],
+        *,
+        compile_timeout_s: float | None = None,
+        compile_max_memory_mb: int | None = None,
+    ):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.stop_token_ids = sorted(stop_token_ids)
-        self._compiler: Any = None
+        self.compile_timeout_s = compile_timeout_s
+        self.compile_max_memory_mb = compile_max_memory_mb
+        self._compiles: InProcessCompiles | IsolatedCompiles | None = None
         self._lock = threading.Lock()
 
     def check(self, key: GrammarKey) -> None:
         check(key)
 
-    def compiler(self) -> Any:
+    def compiles(self) -> InProcessCompiles | IsolatedCompiles:
         with self._lock:
-            if self._compiler is None:
-                xgr = _xgr()
-                info = xgr.TokenizerInfo.from_huggingface(
+            if self._compiles is None:
+                isolated = None
+                if self.compile_timeout_s is not None and self.compile_max_memory_mb is not None:
+                    limit = self.compile_max_memory_mb << 20
+                    isolated = IsolatedCompiles(self.compile_timeout_s, limit)
+                info = _xgr().TokenizerInfo.from_huggingface(
                     self.tokenizer,
                     vocab_size=self.vocab_size,
                     stop_token_ids=self.stop_token_ids or None,
                 )
-                threads = max(1, min(MAX_COMPILER_THREADS, os.cpu_count() or 1))
-                # our GrammarQueue caches compiled grammars (bounded); xgrammar's own cache
-                # would keep every grammar ever seen
-                self._compiler = xgr.GrammarCompiler(info, max_threads=threads, cache_enabled=False)
-            return self._compiler
+                if isolated is None:
+                    self._compiles = InProcessCompiles(info)
+                else:
+                    isolated.set_info(info)
+                    self._compiles = isolated
+            return self._compiles
 
     def compile(self, key: GrammarKey) -> Any:
-        kind, text = key
-        compiler = self.compiler()
-        try:
-            if kind == "json_schema":
-                return compiler.compile_json_schema(text, any_whitespace=False)
-            if kind == "regex":
-                return compiler.compile_regex(text)
-            if kind == "ebnf":
-                return compiler.compile_grammar(text)
-        except RuntimeError as e:
-            raise problem(key, e) from None
-        raise GrammarError(f"unknown grammar kind {kind!r}")
+        return self.compiles().compile(key)
 
     def matcher(self, compiled: Any) -> Grammar:
         return XGrammarMatcher(_xgr().GrammarMatcher(compiled))
+
+    def compiled_bytes(self, compiled: Any) -> int:
+        return int(compiled.memory_size_bytes)
+
+    def shutdown(self) -> None:
+        with self._lock:
+            if self._compiles is not None:
+                self._compiles.shutdown()

@@ -21,6 +21,9 @@ API (same in both backends)
   would reach the input budget is refused (OTHER) unless it is the first. With chunking on,
   a request over the chunk budget is cut so that prefix + extend ends on a page boundary; a
   cut request reserves no decode tokens. On admission `state` is the verdict for the next one.
+- `shortfall(available, extend_len, max_new_tokens) -> int`: the tokens `available` lacks for
+  add_req to admit that request now by the memory rule (0 when it fits); charges nothing.
+  Admission fairness uses it (scheduler/admission.py): how far the refused head is from fitting.
 - `add_chunk(available, prefix_len, remaining_len, max_new_tokens) -> (state, extend_len)`:
   the next slice of the request being chunked; it always progresses. Decode tokens are
   reserved only with the last slice.
@@ -158,6 +161,15 @@ class PrefillBudget:
             max_new = 0
         self._reserve(granted, max_new)
         return True, self.state(available), granted
+
+    def shortfall(self, available: int, extend_len: int, max_new_tokens: int) -> int:
+        available = as_size(available, "available")
+        extend_len = as_size(extend_len, "extend_len")
+        if extend_len < 1:
+            raise ValueError("extend_len must be >= 1: every admitted request computes a token")
+        max_new = min(as_size(max_new_tokens, "max_new_tokens"), CLIP_MAX_NEW_TOKENS)
+        limit = _max_new_limit(available - self._total_offset, extend_len, self._ps)
+        return max(max_new - limit, 0)
 
     def add_chunk(
         self, available: int, prefix_len: int, remaining_len: int, max_new_tokens: int

@@ -1,5 +1,5 @@
 """The decoder layer's element-wise steps on the CPU, through the native kernels
-(`sglite._core.rms_norm`, `silu_and_mul`, `rope`; rust/attn/src/ops.rs).
+(`sglite._core.rms_norm`, `gated_mul`, `rope`; rust/attn/src/ops.rs).
 
 torch runs each step as several ops, and on a decode step their dispatch is what costs:
 about 9 of a 100 ms step at 16 rows over 30 layers, where one native call per step takes
@@ -73,15 +73,27 @@ def rms_norm(
     return out
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor | None:
-    """`silu(x[..., :d]) * x[..., d:]`."""
+def _gated(activation: str, x: torch.Tensor) -> torch.Tensor | None:
     dtype = _dtype(x)
     if dtype is None or not x.is_contiguous() or x.shape[-1] % 2:
         return None
+    run = getattr(_native(), "gated_mul", None)
+    if run is None:  # a native module built before this kernel existed
+        return None
     d = x.shape[-1] // 2
     out = x.new_empty((*x.shape[:-1], d))
-    _native().silu_and_mul(_raw(x), _raw(out), d, dtype, torch.get_num_threads())
+    run(_raw(x), _raw(out), d, activation, dtype, torch.get_num_threads())
     return out
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor | None:
+    """`silu(x[..., :d]) * x[..., d:]`."""
+    return _gated("silu", x)
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor | None:
+    """`gelu_tanh(x[..., :d]) * x[..., d:]` (GeGLU, torch's `approximate="tanh"`)."""
+    return _gated("gelu_tanh", x)
 
 
 def _head_rows(t: torch.Tensor) -> tuple[tuple[int, int], int] | None:

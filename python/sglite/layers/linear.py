@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sglite.distributed import NULL_TP_GROUP, TPGroup, local_head_counts
+from sglite.layers.rotary_embedding import permute_heads
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +43,17 @@ def _copy_checked(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
             f"the model expects {tuple(dst.shape)}"
         )
     dst.copy_(src)
+
+
+def default_weight_loader(
+    param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None
+) -> None:
+    """The loader of a parameter that holds the whole checkpoint tensor."""
+    _copy_checked(param.data, loaded, "weight")
+
+
+def loader_of(param: nn.Parameter):
+    return getattr(param, "weight_loader", default_weight_loader)
 
 
 def _check_divisible(value: int, tp_size: int, what: str) -> None:
@@ -103,6 +115,13 @@ class LinearBase(nn.Module):
         where = self.place(loaded, shard_id)
         dst = param.data if where.size is None else param.data.narrow(0, where.row, where.size)
         _copy_checked(dst, where.shard, where.what)
+
+    def _set_shard_ids(self, shard_ids: tuple) -> None:
+        """The shards that together fill each parameter (the loader checks every one came;
+        one tensor loaded with shard id None fills them all)."""
+        for param in (self.weight, self.bias):
+            if param is not None:
+                param.shard_ids = shard_ids
 
     def prepack(self) -> bool:
         """Switch to oneDNN's packed weight (CPU only). Returns whether it did."""
@@ -179,6 +198,23 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             device=device,
             tp_group=tp_group,
         )
+        self._set_shard_ids(tuple(range(len(output_sizes))))
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None
+    ) -> None:
+        """`shard_id` i: output i alone; None: all outputs fused in one tensor (Phi-3's
+        `gate_up_proj`), split here."""
+        if shard_id is None:
+            if loaded.shape[0] != sum(self.output_sizes):
+                raise ValueError(
+                    f"MergedColumnParallelLinear: fused checkpoint tensor has {loaded.shape[0]} "
+                    f"rows, the outputs {self.output_sizes} add up to {sum(self.output_sizes)}"
+                )
+            for i, part in enumerate(loaded.split(self.output_sizes)):
+                self.weight_loader(param, part, i)
+            return
+        super().weight_loader(param, loaded, shard_id)
 
     def place(self, loaded: torch.Tensor, shard_id: str | int | None = None) -> Placement:
         if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):
@@ -215,7 +251,10 @@ class QKVParallelLinear(ColumnParallelLinear):
                 f"tp_size={tp_size}"
             )
         self.head_dim = head_dim
+        self.total_num_heads, self.total_num_kv_heads = num_heads, num_kv_heads
         self.num_heads, self.num_kv_heads = local_head_counts(num_heads, num_kv_heads, tp_size)
+        # Applied to the dims of every q and k head as they load (sglite.layers.rotary_embedding)
+        self.head_permutation: torch.Tensor | None = None
         # The first KV head of this rank: its own slice, or the replicated head its q reads.
         replicas = max(1, tp_size // num_kv_heads)
         self.kv_head_start = tp_rank // replicas * self.num_kv_heads
@@ -228,6 +267,7 @@ class QKVParallelLinear(ColumnParallelLinear):
             device=device,
             tp_group=tp_group,
         )
+        self._set_shard_ids(("q", "k", "v"))
 
     @property
     def q_size(self) -> int:
@@ -237,7 +277,28 @@ class QKVParallelLinear(ColumnParallelLinear):
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None
+    ) -> None:
+        """`shard_id` q, k or v: that projection alone; None: the three fused in one tensor
+        as `[q | k | v]` rows (Phi-3's `qkv_proj`), split here."""
+        if shard_id is None:
+            d = self.head_dim
+            sizes = [self.total_num_heads * d, self.total_num_kv_heads * d]
+            sizes.append(sizes[1])
+            if loaded.shape[0] != sum(sizes):
+                raise ValueError(
+                    f"QKVParallelLinear: fused checkpoint tensor has {loaded.shape[0]} rows, "
+                    f"q, k and v need {sizes}"
+                )
+            for sid, part in zip("qkv", loaded.split(sizes)):
+                self.weight_loader(param, part, sid)
+            return
+        super().weight_loader(param, loaded, shard_id)
+
     def place(self, loaded: torch.Tensor, shard_id: str | int | None = None) -> Placement:
+        if shard_id in ("q", "k") and self.head_permutation is not None:
+            loaded = permute_heads(loaded, self.head_permutation, self.head_dim, 0)
         offsets = {
             "q": (0, self.q_size),
             "k": (self.q_size, self.kv_size),

@@ -15,7 +15,15 @@ if TYPE_CHECKING:
 class LogitsProcessor(nn.Module):
     """Extend batches keep the last token of each request (or all of them with
     `batch.return_all_logits`, or the rows `batch.logits_index` names: prompt log-probs);
-    decode batches have exactly one token per request."""
+    decode batches have exactly one token per request.
+
+    The float32 logits are then multiplied by `scale` (Cohere's `logit_scale`, Granite's
+    `1 / logits_scaling`) and, with `softcap`, squashed to `softcap * tanh(logits / softcap)`
+    (Gemma 2's `final_logit_softcapping`)."""
+
+    def __init__(self, scale: float = 1.0, softcap: float | None = None) -> None:
+        super().__init__()
+        self.scale, self.softcap = scale, softcap
 
     def forward(
         self, hidden: torch.Tensor, lm_head: ParallelLMHead, batch: ForwardBatch
@@ -28,4 +36,9 @@ class LogitsProcessor(nn.Module):
                 # on the device already: no blocking host-to-device copy in the forward
                 last = torch.cumsum(batch.extend_seq_lens, 0) - 1
                 hidden = hidden.index_select(0, last)
-        return lm_head(hidden).float()
+        logits = lm_head(hidden).float()
+        if self.scale != 1.0:
+            logits = logits * self.scale
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits

@@ -68,11 +68,24 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """`logits = hidden @ weight^T` over this rank's vocabulary shard."""
+    """`logits = hidden @ weight^T (+ bias)` over this rank's vocabulary shard."""
 
-    def __init__(self, *args, **kwargs) -> None:
+    def __init__(self, *args, bias: bool = False, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._packed: torch.Tensor | None = None
+        self.bias = None
+        if bias:  # Phi: sharded like the rows, zero on the padding
+            self.bias = nn.Parameter(self.weight.new_zeros(self.shard_size), requires_grad=False)
+            self.bias.weight_loader = self._bias_loader
+
+    def _bias_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        if loaded.shape != (self.num_embeddings,):
+            raise ValueError(
+                f"{type(self).__name__}: bias has shape {tuple(loaded.shape)}, the model "
+                f"expects ({self.num_embeddings},)"
+            )
+        rows = loaded[self.vocab_start : self.vocab_end]
+        param.data[: rows.shape[0]].copy_(rows)
 
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         """Share the embedding table (tie_word_embeddings)."""
@@ -92,9 +105,11 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self._packed is not None:
-            logits = torch.ops.mkldnn._linear_pointwise(hidden, self._packed, None, "none", [], "")
+            logits = torch.ops.mkldnn._linear_pointwise(
+                hidden, self._packed, self.bias, "none", [], ""
+            )
         else:
-            logits = F.linear(hidden, self.weight)
+            logits = F.linear(hidden, self.weight, self.bias)
         if self.tp_size == 1:
             return logits[..., : self.num_embeddings]
         return self.tp_group.all_gather(logits, dim=-1)[..., : self.num_embeddings]

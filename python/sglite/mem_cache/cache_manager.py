@@ -16,6 +16,10 @@ Contract (who locks, who frees; see scheduler/req.py for the ownership of a row)
   when the allocator runs short. It returns the new slots, or None (nothing changed).
 - `checkpoint(req, up_to)`: after a prefill or chunk: insert fill[:up_to] into the tree, free
   our duplicate slots, rewrite the row to the tree's slots, move the lock to the new node.
+  While a launched batch holds the request (`req.in_flight > 0`, the overlap loop) it may
+  still read the duplicates (its copy of the row is older), and a load-back writes the
+  slots it gets at once, not in batch order: so those frees wait in `req.stale_slots`
+  until the batch is processed (`free_stale`, called by result processing and `release`).
 - `release(req, insert=True)`: on finish, insert prompt + output (tokens with KV) and free
   the rest of the row; on retraction (insert=False) free everything the request owns.
 - With the radix cache disabled nothing is ever matched or inserted.
@@ -161,7 +165,11 @@ class CacheManager:
         self.version += 1
         if cached_len > req.cached_len:
             # we computed [cached_len_before, cached_len) again: the tree keeps its copy
-            self.allocator.free(row_slots[req.cached_len : cached_len])
+            duplicates = row_slots[req.cached_len : cached_len]
+            if req.in_flight > 0:  # a launched batch may still read them (module doc)
+                req.stale_slots.append(duplicates)
+            else:
+                self.allocator.free(duplicates)
             tree_slots, _ = self.tree.match_prefix(key[:cached_len], req.extra_key)
             self.table[req.row, req.cached_len : cached_len] = tree_slots[req.cached_len :]
         if cached_len < aligned:  # the row now holds the tree's slots up to cached_len
@@ -174,12 +182,21 @@ class CacheManager:
         req.cached_len = aligned
         self.tier.on_insert(req, node, aligned)
 
+    def free_stale(self, req: Req) -> None:
+        """The duplicates `checkpoint` kept back: no launched batch reads them any more."""
+        for slots in req.stale_slots:
+            self.allocator.free(slots)
+        req.stale_slots = []
+
     def release(self, req: Req, insert: bool) -> None:
-        """Give back everything the request holds; with insert, publish its KV first."""
+        """Give back everything the request holds; with insert, publish its KV first.
+        (Finishing releases once no launched batch holds the request; retraction at once,
+        see scheduler.py's docstring for why that is safe.)"""
         if req.row is None:
             return
         if insert:
             self.checkpoint(req, min(req.kv_len, req.fill_len))
+        self.free_stale(req)
         if req.alloc_len > req.cached_len:
             self.allocator.free(
                 self.table[req.row, req.cached_len : req.alloc_len].astype(np.int64)
@@ -213,6 +230,7 @@ class CacheManager:
             if r.row is not None and r.alloc_len > r.cached_len:
                 pages = np.unique(self.table[r.row, r.cached_len : r.alloc_len] // ps)
                 held += len(pages) * ps
+            held += sum(len(np.unique(s // ps)) * ps for s in r.stale_slots)
         return held
 
     def check_conservation(self, running: list[Req]) -> None:

@@ -2,8 +2,9 @@
 
 HiCache sizing: the host pool holds `--hicache-ratio` x the device pool's tokens, or
 `--hicache-size` GB (1e9 bytes, as SGLang) when that is > 0, in whole pages. A host pool that
-does not fit in the RAM available now (MemAvailable in /proc/meminfo) is refused at start-up
-with the numbers, rather than letting the machine swap or the kernel kill the server later.
+does not fit in the RAM available now (MemAvailable in /proc/meminfo), counted once per scheduler
+process of the machine (TP ranks x --dp-size replicas), is refused at start-up with the numbers,
+rather than letting the machine swap or the kernel kill the server later.
 """
 
 from __future__ import annotations
@@ -59,9 +60,16 @@ def check_host_pool_fits(args: ServerArgs, kv_pool: KVPool, host_slots: int) -> 
     if host_slots < kv_pool.page_size:
         raise ValueError(f"{how}: the host KV pool would hold no page; make it larger")
     need, avail = HostKVPool.bytes_for(kv_pool, host_slots), mem_available_bytes()
-    ranks = args.tp_size_per_node  # every TP rank on this machine holds a pool like this one
-    if need * ranks > avail:
-        each = f" on each of {ranks} TP ranks" if ranks > 1 else ""
+    # every scheduler process on this machine holds a pool like this one: its TP ranks, and
+    # with --dp-size every replica (all replicas run on the machine of the HTTP server)
+    copies = args.tp_size_per_node * args.dp_size
+    if need * copies > avail:
+        each = ""
+        if args.tp_size_per_node > 1:
+            each = f" on each of {args.tp_size_per_node} TP ranks"
+        if args.dp_size > 1:
+            each += f"{' of' if each else ' on each of'} {args.dp_size} replicas (--dp-size "
+            each += f"{args.dp_size})"
         raise ValueError(
             f"{how}: the host KV pool would take {need / GIB:.2f} GiB ({host_slots} tokens)"
             f"{each} but only {avail / GIB:.2f} GiB of RAM is available (MemAvailable); "

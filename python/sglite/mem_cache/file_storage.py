@@ -15,6 +15,11 @@ is checked on every read, so a server with another model or layout never reads w
 Writes run on one background thread behind a bounded queue: `put` never blocks the
 scheduler (a full queue drops the page and counts it). A file appears atomically (written
 to a temporary name, then renamed). Reads are synchronous (`get`), on the scheduler thread.
+
+Faults stay contained: a directory that cannot be created or written is refused when the
+tier is built (ValueError naming --hicache-storage-dir); a page that does not load (torn,
+truncated, garbage, another layout) is a miss and its file is removed; a failing writer (a
+full disk) logs its first error once and counts the rest (`num_failed_pages`).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import hashlib
 import logging
 import os
 import queue
+import tempfile
 import threading
 from pathlib import Path
 
@@ -34,6 +40,7 @@ logger = logging.getLogger(__name__)
 FORMAT = "sglite-kv-page-1"
 MIN_STORAGE_PAGE_TOKENS = 64
 WRITE_QUEUE_PAGES = 256
+MAX_LOGGED_BAD_PAGES = 8
 
 
 def storage_page_len(page_size: int) -> int:
@@ -55,10 +62,24 @@ def chain_hashes(
     return out
 
 
+def check_writable(directory: Path) -> None:
+    """Create `directory` if needed and prove a file can be written there, or raise."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".probe", dir=directory)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise ValueError(
+            f"--hicache-storage-dir {str(directory)!r}: the HiCache file tier cannot write "
+            f"there ({e.strerror or e}); give a writable directory"
+        ) from None
+
+
 class FileStorage:
     def __init__(self, directory: str | os.PathLike, fingerprint: str, page_len: int) -> None:
         self.dir = Path(directory)
-        self.dir.mkdir(parents=True, exist_ok=True)
+        check_writable(self.dir)
         self.fingerprint = fingerprint
         self.seed = hashlib.sha256(fingerprint.encode()).hexdigest()
         self.page_len = page_len
@@ -66,6 +87,7 @@ class FileStorage:
         self.num_dropped_pages = 0
         self.num_read_pages = 0
         self.num_bad_pages = 0
+        self.num_failed_pages = 0  # writes that failed (logged once)
         self.known: set[str] = set()  # pages written or queued by this process
         self._queue: queue.Queue = queue.Queue(WRITE_QUEUE_PAGES)
         self._thread = threading.Thread(target=self._writer, name="hicache-file", daemon=True)
@@ -106,8 +128,8 @@ class FileStorage:
                 if item is None:
                     return
                 self._write(*item)
-            except Exception:  # a full disk must not kill the server: the page is a miss
-                logger.exception("HiCache file tier: writing a page failed")
+            except Exception as e:  # a full disk must not kill the server: the page is a miss
+                self._write_failed(e)
                 self.known.discard(item[0])
             finally:
                 self._queue.task_done()
@@ -122,9 +144,23 @@ class FileStorage:
             "dtype": str(k.dtype),
             "shape": list(k.shape),
         }
-        torch.save({"header": header, "k": k.contiguous(), "v": v.contiguous()}, tmp)
-        os.replace(tmp, path)
+        try:
+            torch.save({"header": header, "k": k.contiguous(), "v": v.contiguous()}, tmp)
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)  # no half-written file left behind
+            raise
         self.num_written_pages += 1
+
+    def _write_failed(self, e: Exception) -> None:
+        self.num_failed_pages += 1
+        if self.num_failed_pages == 1:  # once: a full disk fails every page after it too
+            logger.warning(
+                "HiCache file tier: writing a page into %s failed (%s: %s); pages that cannot "
+                "be written are misses (counted in hicache_storage_failed_pages, not logged "
+                "again)",
+                self.dir, type(e).__name__, e,
+            )  # fmt: skip
 
     def flush(self) -> None:
         """Wait until every queued page is on disk (tests, shutdown)."""
@@ -136,13 +172,19 @@ class FileStorage:
 
     # ---------------------------------------------------------------- reads
     def get(self, h: str, dtype: torch.dtype, shape: tuple[int, ...]):
-        """(k, v) of page `h`, or None when it is missing or does not match this server."""
+        """(k, v) of page `h`, or None when it is missing or does not load as a page of this
+        server (then its file is removed: it would fail again)."""
+        path = self.path(h)
         try:
-            data = torch.load(self.path(h), map_location="cpu", weights_only=True)
-        except (OSError, RuntimeError, EOFError, ValueError):
+            data = torch.load(path, map_location="cpu", weights_only=True)
+        except FileNotFoundError:  # removed by another process, or never finished
+            self.known.discard(h)
+            return None
+        except Exception as e:  # torn or foreign bytes: pickle, zip, key, type errors...
+            self._drop_bad(h, f"{type(e).__name__}: {e}")
             return None
         if not isinstance(data, dict):
-            self.num_bad_pages += 1
+            self._drop_bad(h, f"holds a {type(data).__name__}, not a page")
             return None
         header, k, v = data.get("header") or {}, data.get("k"), data.get("v")
         ok = (
@@ -157,10 +199,24 @@ class FileStorage:
             and k.dtype == dtype == v.dtype
         )
         if not ok:
-            self.num_bad_pages += 1
+            self._drop_bad(h, "its header or tensors do not match this server's layout")
             return None
         self.num_read_pages += 1
         return k, v
+
+    def _drop_bad(self, h: str, why: str) -> None:
+        self.num_bad_pages += 1
+        self.known.discard(h)
+        if self.num_bad_pages <= MAX_LOGGED_BAD_PAGES:
+            logger.warning(
+                "HiCache file tier: page %s does not load (%s); removed, recomputed%s",
+                self.path(h), why[:200],
+                "" if self.num_bad_pages < MAX_LOGGED_BAD_PAGES else " (no more such lines)",
+            )  # fmt: skip
+        try:
+            self.path(h).unlink()
+        except OSError:
+            pass
 
     def lookup(self, hashes: list[str], start: int) -> int:
         """How many consecutive pages from `start` exist."""

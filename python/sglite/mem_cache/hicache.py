@@ -255,6 +255,8 @@ class HiCache(NullTier):
             out["hicache_storage_written_pages"] = st.num_written_pages
             out["hicache_storage_dropped_pages"] = st.num_dropped_pages
             out["hicache_storage_read_pages"] = st.num_read_pages
+            out["hicache_storage_bad_pages"] = st.num_bad_pages
+            out["hicache_storage_failed_pages"] = st.num_failed_pages
         return out
 
     def check_idle(self) -> None:

@@ -169,16 +169,7 @@ class ModelRunner:
         ctx = context_length or config.context_length
         if context_length is not None and context_length < 1:
             raise ValueError(f"context_length must be >= 1, got {context_length}")
-        if config.sliding_window is not None and config.sliding_window < ctx:
-            logger.warning(
-                "%s uses sliding-window attention (%d tokens), which sglite does not "
-                "implement; capping the context length at %d",
-                config.architecture,
-                config.sliding_window,
-                config.sliding_window,
-            )
-            ctx = config.sliding_window
-        elif context_length is not None and context_length > config.context_length:
+        if context_length is not None and context_length > config.context_length:
             logger.warning(
                 "context_length %d exceeds the model's %d; quality beyond it is not guaranteed",
                 context_length,

@@ -4,7 +4,8 @@ A model path is an HF folder (config.json, model.safetensors or shards listed in
 model.safetensors.index.json, tokenizer files), a `.gguf` file, which is converted once to
 an HF folder in the cache (see sglite.models.gguf), or a Hugging Face repo id, resolved to
 its snapshot in the local Hub cache (downloaded when missing; see sglite.models.hub). The
-server resolves repo ids once, in its main process, so its children only see folders.
+server resolves repo ids and converts .gguf files once, in its main process
+(launcher.resolve_model), so its children only see folders.
 Weights load with a progress bar over the checkpoint's tensors, then the load time is logged.
 Under tensor parallelism each rank reads the checkpoint itself and its layers' weight
 loaders narrow every tensor to the rank's shard: one full tensor at a time is in memory
@@ -40,7 +41,7 @@ def resolve_model_path(
     if model_path is None:
         return gguf.default_model_path()
     path = Path(model_path).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
+    if gguf.is_gguf_file(path):
         return gguf.convert_gguf_to_hf(path)
     if path.is_dir():
         return path

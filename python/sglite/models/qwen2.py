@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-from sglite.models.llama import LlamaForCausalLM
-from sglite.models.model_config import ModelConfig
+from sglite.models.causal_lm import DecoderForCausalLM
+from sglite.models.decoder_spec import ConfigFields, DecoderSpec
 
 
-class Qwen2ForCausalLM(LlamaForCausalLM):
-    @staticmethod
-    def has_qkv_bias(config: ModelConfig) -> bool:
-        return True
-
-    @staticmethod
-    def has_o_bias(config: ModelConfig) -> bool:
-        return False
+class Qwen2ForCausalLM(DecoderForCausalLM):
+    @classmethod
+    def decoder_spec(cls, f: ConfigFields) -> DecoderSpec:
+        return DecoderSpec(norm=f.norm("rms", "rms_norm_eps"), act=f.act(), qkv_bias=True)

@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
-from sglite.models.llama import LlamaForCausalLM
+from sglite.layers.qk_norm import QKNormSpec
+from sglite.models.causal_lm import DecoderForCausalLM
+from sglite.models.decoder_spec import ConfigFields, DecoderSpec
 
 
-class Qwen3ForCausalLM(LlamaForCausalLM):
-    qk_norm = True
+class Qwen3ForCausalLM(DecoderForCausalLM):
+    @classmethod
+    def decoder_spec(cls, f: ConfigFields) -> DecoderSpec:
+        norm = f.norm("rms", "rms_norm_eps")
+        return DecoderSpec(
+            norm=norm, act=f.act(), **f.attention_biases(), qk_norm=QKNormSpec("head", norm)
+        )

@@ -1,4 +1,8 @@
-"""Model registry: the HF `architectures` name of a checkpoint -> the sglite model class."""
+"""Model registry: the HF `architectures` name of a checkpoint -> the sglite model class.
+
+Every class is a DecoderSpec over the shared skeleton (sglite.models.causal_lm); the README's
+model table lists them with what was tested.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +16,22 @@ MODELS = {
     "MistralForCausalLM": "sglite.models.llama",
     "Qwen2ForCausalLM": "sglite.models.qwen2",
     "Qwen3ForCausalLM": "sglite.models.qwen3",
+    "GemmaForCausalLM": "sglite.models.gemma",
+    "Gemma2ForCausalLM": "sglite.models.gemma",
+    "Gemma3ForCausalLM": "sglite.models.gemma",
+    "Phi3ForCausalLM": "sglite.models.phi3",
+    "PhiForCausalLM": "sglite.models.phi",
+    "GraniteForCausalLM": "sglite.models.granite",
+    "OlmoForCausalLM": "sglite.models.olmo",
+    "Olmo2ForCausalLM": "sglite.models.olmo",
+    "Exaone4ForCausalLM": "sglite.models.exaone4",
+    "SmolLM3ForCausalLM": "sglite.models.smollm3",
+    "Glm4ForCausalLM": "sglite.models.glm4",
+    "CohereForCausalLM": "sglite.models.cohere",
+    "Cohere2ForCausalLM": "sglite.models.cohere",
+    "GPTNeoXForCausalLM": "sglite.models.gpt_neox",
+    "StableLmForCausalLM": "sglite.models.stablelm",
+    "Starcoder2ForCausalLM": "sglite.models.starcoder2",
 }
 
 

@@ -4,7 +4,9 @@ Gates run before any prefix math: free request rows (and --max-running-requests)
 min-free-slots delay that postpones admission while the running batch has almost no KV
 headroom left (admitting now would only force a retraction; bounded so nothing starves).
 Then the policy sorts the queue, the PrefillAdder charges candidates, rows and slots are
-allocated, and the chunked request (if any) continues first.
+allocated, and the chunked request (if any) continues first. A candidate refused for memory
+does not end the pass: smaller ones behind it may still fit, on the terms of admission.py
+(bounded lookahead; nothing passes it once it would fit without those that did).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import Any
 
 from sglite.config import ServerArgs
 from sglite.mem_cache.cache_manager import CacheManager
+from sglite.scheduler.admission import HeadOfLineGuard
 from sglite.scheduler.batch import ScheduleBatch
 from sglite.scheduler.decode import DecodeManager
 from sglite.scheduler.policy import BatchPrefixGate, SchedulePolicy
@@ -45,6 +48,8 @@ class PrefillManager:
         self.counters = counters
         self.chunked_req: Req | None = None
         self.num_delayed = 0
+        self.guard = HeadOfLineGuard(args.prefill_lookahead_requests, args.page_size)
+        counters.setdefault("num_bypassing_reqs", 0)  # admitted past one refused for memory
 
     def get_new_batch(
         self, waiting: list[Req], running: list[Req], processed_tokens: int
@@ -80,29 +85,42 @@ class PrefillManager:
         if chunked is not None:
             adder.add_chunked(chunked)
             gate.add(chunked)
-        verdict = self.core.AddReqResult.CONTINUE
+        self._admit_waiting(adder, gate, waiting, free_rows + (chunked is not None))
+        if not adder.entries:
+            return None
+        batch = self._build(adder, waiting)
+        if batch is not None:
+            self.counters["num_bypassing_reqs"] += self.guard.commit()
+            for e in adder.entries:
+                e.req.bypassers = []
+            if mixed:
+                self.decode.mix_into(batch, live)
+            running += [e.req for e in adder.entries if e.is_last_chunk]
+        return batch
+
+    def _admit_waiting(
+        self, adder: PrefillAdder, gate: BatchPrefixGate, waiting: list[Req], max_entries: int
+    ) -> None:
+        CONTINUE, NO_TOKEN = self.core.AddReqResult.CONTINUE, self.core.AddReqResult.NO_TOKEN
+        guard = self.guard
+        guard.start()
+        verdict = CONTINUE
         for req in waiting:
-            if (
-                verdict != self.core.AddReqResult.CONTINUE
-                or len(adder.entries) - (chunked is not None) >= free_rows
-            ):
+            if verdict != CONTINUE or len(adder.entries) >= max_entries or not guard.may_try():
                 break
             self.cache.match(req)  # current for the gate and the adder (reused if unchanged)
             if gate.defers(req):
                 continue
             before = len(adder.entries)
             verdict = adder.add_one(req)
-            if len(adder.entries) == before:
+            if len(adder.entries) > before:
+                gate.add(req)
+                guard.admitted(req)
+            elif verdict == NO_TOKEN:  # refused for memory: a smaller one may still fit
+                guard.refused(req, adder.shortfall)
+                verdict = adder.budget.state(self.cache.available_and_evictable())
+            else:
                 break
-            gate.add(req)
-        if not adder.entries:
-            return None
-        batch = self._build(adder, waiting)
-        if batch is not None:
-            if mixed:
-                self.decode.mix_into(batch, live)
-            running += [e.req for e in adder.entries if e.is_last_chunk]
-        return batch
 
     def _build(self, adder: PrefillAdder, waiting: list[Req]) -> ScheduleBatch | None:
         entries = adder.entries

@@ -47,6 +47,7 @@ class PrefillAdder:
         )
         self.entries: list[PrefillEntry] = []
         self.new_chunked_req: Req | None = None
+        self.shortfall = 0  # tokens the last candidate refused for memory lacked
 
     def add_chunked(self, req: Req) -> int:
         """Schedule the next slice of the request being chunked (always progresses)."""
@@ -62,16 +63,18 @@ class PrefillAdder:
 
     def add_one(self, req: Req) -> int:
         """Try to admit a waiting request whose match is current (`cache.match(req)` since the
-        tree last changed); returns the core's verdict for the next one."""
+        tree last changed); returns the core's verdict for the next one (NO_TOKEN also when
+        `req` itself is refused for memory: then `shortfall` says by how many tokens)."""
         self.cache.lock(req.match_node)
         self.cache.load_back(req)  # HiCache: host-hit tokens take device memory, no compute
+        available = self.cache.available_and_evictable()
+        extend_len, max_new = req.fill_len - req.match_len, max(req.remaining_new_tokens, 0)
         admitted, state, granted = self.budget.add_req(
-            self.cache.available_and_evictable(),
-            req.match_len,
-            req.fill_len - req.match_len,
-            max(req.remaining_new_tokens, 0),
+            available, req.match_len, extend_len, max_new
         )
         if not admitted:
+            if state == self.core.AddReqResult.NO_TOKEN:
+                self.shortfall = self.budget.shortfall(available, extend_len, max_new)
             self.cache.unlock(req.match_node)
             return state
         self._admit(req, req.match_len, req.match_len + granted)

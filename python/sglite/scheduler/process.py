@@ -16,7 +16,6 @@ import contextlib
 import logging
 import os
 import signal
-import traceback
 from typing import Any
 
 from sglite.config import ServerArgs
@@ -73,7 +72,12 @@ def scheduler_for_runner(
         send_control=send_control,
         watchdog=watchdog,
         grammar_backend=create_backend(
-            args.grammar_backend, tokenizer, cfg.vocab_size, cfg.eos_token_ids
+            args.grammar_backend,
+            tokenizer,
+            cfg.vocab_size,
+            cfg.eos_token_ids,
+            compile_timeout_s=args.grammar_compile_timeout,
+            compile_max_memory_mb=args.grammar_compile_max_memory_mb,
         ),
         dp_rank=dp_rank,
         agree=agree,
@@ -211,7 +215,7 @@ def run_scheduler_process(
     try:
         sched, info, sync = build_scheduler(args, send, send_control, watchdog, dp_rank, tp_rank)
     except Exception as e:  # reported to the launcher, which prints it and exits
-        ready_conn.send(ReadyMsg(name, False, f"{e}\n{traceback.format_exc()}"))
+        ready_conn.send(ReadyMsg.failed(name, e))
         return
     ready_conn.send(ReadyMsg(name, True, info=info))
     watchdog.start()

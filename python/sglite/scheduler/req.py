@@ -45,6 +45,9 @@ class Req:
     lock_node: int | None = None
     kv_len: int = 0
     alloc_len: int = 0
+    # slots it gave up (duplicates of the tree's) while a launched batch may still read
+    # them; they reach the allocator once that batch is processed (CacheManager.checkpoint)
+    stale_slots: list = field(default_factory=list)
     # prefix matched by the last match (not yet locked by admission)
     match_len: int = 0
     match_node: int = 0
@@ -58,6 +61,7 @@ class Req:
     loaded_host_len: int = 0  # tokens its admissions loaded from the host / file tier
     loaded_storage_len: int = 0
     # scheduling
+    bypassers: list = field(default_factory=list)  # admitted past it while it waited (admission.py)
     num_retractions: int = 0
     epoch: int = 0  # bumped on retraction: in-flight results of an older epoch are dropped
     scheduled_outputs: int = 0  # output tokens scheduled (processed or in flight)

@@ -58,9 +58,11 @@ class ResultProcessor:
                 touched.append(req)
                 if self._append_token(req, toks[i], batch, i):
                     req.add_output_logprob(row_logprobs)
-            if self.releasing:
-                for req in batch.reqs:
-                    if req.in_flight == 0 and id(req) in self.releasing:
+            for req in batch.reqs:  # KV that only this batch still read
+                if req.in_flight == 0:
+                    if req.stale_slots:
+                        self.cache.free_stale(req)
+                    if id(req) in self.releasing:
                         self._release(*self.releasing.pop(id(req)))
         finally:
             alloc.free_group_end()

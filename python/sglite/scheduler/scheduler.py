@@ -13,9 +13,12 @@ Lifetime of a request's KV in the overlap loop: a launched batch reads its reque
 the request table (on CPU the very table the scheduler writes) until its result is processed.
 So a request that finishes (or is aborted) while a launched batch still holds it
 (`req.in_flight > 0`) keeps its row, slots and tree lock until that batch's result is
-processed (`releasing`); only then is its KV published and freed. Retraction frees at once:
-it needs the memory for the batch being built, no row is handed out again before the
-in-flight batch is processed, and a slot freed now is rewritten only by a later batch.
+processed (`releasing`); only then is its KV published and freed. Duplicate prefix slots a
+checkpoint gives up wait the same way (`req.stale_slots`): a HiCache load-back writes the
+slots it gets at once, not in batch order. Retraction frees at once: it needs the memory for
+the batch being built, no row is handed out again before the in-flight batch is processed,
+and a slot freed now is rewritten only by a later batch (admission, so any load-back, comes
+before retraction in a step, and the next step starts after the in-flight batch is processed).
 """
 
 from __future__ import annotations

@@ -1,15 +1,18 @@
-"""The FastAPI app: native routes (/generate, health, info, cache, metrics, tokenize) and
-OpenAI routes, behind CORS (any origin unless --allowed-origins) and --api-key.
+"""The FastAPI app: native routes (/generate, health, cache, metrics, tokenize), the info
+routes (server/info_api.py) and the OpenAI routes, behind CORS (any origin unless
+--allowed-origins), --api-key and the RequestGuard (server/request_guard.py: Origin,
+Content-Type, body size).
 
 All errors leave as JSON `{"error": {"message", "type", "param", "code"}}`: bad input is a
 400 naming the field (FastAPI's 422 included), an unknown route a 404, a missing API key a
-401, an overloaded, stuck or dying server a 503 (with Retry-After when the waiting queue is
-full). POST bodies are parsed as JSON whatever their Content-Type (curl -d sends form
-encoding). /get_server_info has SGLang's flat shape: the server args, the model facts and
-the scheduler's stats at the top level (summed over --dp-size replicas), and each replica's
-own stats in `internal_states` (one entry per replica, with its `dp_rank` when there are
-several). Both info routes also answer under SGLang's newer names (/server_info,
-/model_info), which SGLang's router asks first.
+401, a refused Origin a 403, a body that is not JSON 415, too large 413, an overloaded,
+stuck or dying server a 503 (with Retry-After when the waiting queue is full). Messages are
+cut to MAX_ERROR_CHARS: an error never echoes a huge input back.
+
+The CPU work of a request (JSON parsing and validation, chat templating, tokenization,
+grammar syntax checks) runs in the TokenizerManager's threads (`tm.offload`), never on the
+event loop, so /health and small requests answer while a big one is being prepared; a
+request is submitted to the scheduler once it is prepared.
 """
 
 from __future__ import annotations
@@ -17,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -27,13 +29,17 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from sglite.server import openai_api
 from sglite.server.auth import ApiKeyMiddleware
-from sglite.server.dp_dispatcher import merge_stats
-from sglite.server.inputs import Prompt, RequestError
+from sglite.server.body import decode_body, validation_message
+from sglite.server.connections import LogThrottle
+from sglite.server.errors import RequestError
+from sglite.server.info_api import add_info_routes
+from sglite.server.inputs import Prompt
 from sglite.server.metrics import CONTENT_TYPE
 from sglite.server.protocol import (
     AbortRequest,
@@ -42,6 +48,7 @@ from sglite.server.protocol import (
     GenerateRequest,
     error_body,
 )
+from sglite.server.request_guard import RequestGuard
 from sglite.server.router_api import add_router_routes
 from sglite.server.tokenize_api import add_tokenize_routes
 from sglite.server.tokenizer_manager import TokenizerManager
@@ -50,52 +57,23 @@ from sglite.version import __version__
 logger = logging.getLogger(__name__)
 
 HEALTH_TIMEOUT_S = 20.0
+MAX_ERROR_CHARS = 600
 M = TypeVar("M", bound=BaseModel)
-_UNION_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
+_disconnects = LogThrottle()
 
 
-def _field_path(loc: tuple[Any, ...]) -> str:
-    parts = [
-        str(x) if not isinstance(x, int) else f"[{x}]"
-        for x in loc
-        if not (isinstance(x, str) and (x in _UNION_TAGS or "[" in x or "-" in x))
-    ]
-    return ".".join(parts).replace(".[", "[")
-
-
-def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
-    """Pydantic's validation errors as one sentence naming the (first) bad field."""
-    if not errors:
-        return "invalid request body", None
-    first = errors[0]
-    path = _field_path(tuple(first.get("loc") or ()))
-    if not path:
-        return f"the request body must be a JSON object ({first.get('msg')})", None
-    return f"{path}: {first.get('msg')}", path.split(".")[0].split("[")[0]
-
-
-async def parse_body(request: Request, model: type[M]) -> M:
-    """The JSON body as `model` (whatever the Content-Type); 400 naming the field if not."""
-    raw = await request.body()
-    if not raw.strip():
-        raise RequestError("the request body is empty; send a JSON object")
-    try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise RequestError(f"malformed JSON in the request body: {e}") from None
-    try:
-        return model.model_validate(data)
-    except ValidationError as e:
-        message, param = validation_message(e.errors())
-        raise RequestError(message, param=param) from None
+def short(message: str) -> str:
+    return message if len(message) <= MAX_ERROR_CHARS else message[:MAX_ERROR_CHARS] + " ..."
 
 
 def _sse(data: Any) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
-def create_app(tm: TokenizerManager) -> FastAPI:
-    """The app; the TokenizerManager's sockets open and close with the app's lifespan."""
+def create_app(tm: TokenizerManager, given_args: Any = None) -> FastAPI:
+    """The app; the TokenizerManager's sockets open and close with the app's lifespan.
+    `given_args`: the ServerArgs as given, before the model was resolved to a local folder
+    (what the info routes show; default: tm.server_args)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -105,9 +83,14 @@ def create_app(tm: TokenizerManager) -> FastAPI:
 
     app = FastAPI(title="sglite", version=__version__, lifespan=lifespan)
     args = tm.server_args
+    origins = getattr(args, "cors_origins", ["*"])
+    app.add_middleware(  # innermost: after CORS and the API key
+        RequestGuard,
+        allowed_origins=origins,
+        max_body_bytes=getattr(args, "max_request_bytes", None),
+    )
     if getattr(args, "api_key", None):
         app.add_middleware(ApiKeyMiddleware, api_key=args.api_key)
-    origins = getattr(args, "cors_origins", ["*"])
     app.add_middleware(  # added last: outermost, so preflights and 401s carry CORS headers
         CORSMiddleware,
         allow_origins=origins,
@@ -124,30 +107,51 @@ def create_app(tm: TokenizerManager) -> FastAPI:
         elif exc.status_code == 405:
             message = f"{request.url.path} does not take {request.method}"
         return JSONResponse(
-            error_body(message, exc.status_code), status_code=exc.status_code, headers=exc.headers
+            error_body(short(message), exc.status_code),
+            status_code=exc.status_code,
+            headers=exc.headers,
         )
 
     @app.exception_handler(RequestValidationError)
     async def _on_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         errors = [{**e, "loc": tuple(e.get("loc") or ())[1:]} for e in exc.errors()]
         message, param = validation_message(errors)
-        return JSONResponse(error_body(message, 400, param), status_code=400)
+        return JSONResponse(error_body(short(message), 400, param), status_code=400)
 
     @app.exception_handler(RequestError)
     async def _on_request_error(request: Request, exc: RequestError) -> JSONResponse:
+        headers = {}
         retry_after = getattr(exc, "retry_after_s", None)
+        if retry_after is not None:
+            headers["Retry-After"] = str(retry_after)
+        if exc.status_code == 413:  # the rest of the body is not read
+            headers["Connection"] = "close"
         return JSONResponse(
-            error_body(exc.message, exc.status_code, exc.param),
+            error_body(short(exc.message), exc.status_code, exc.param and short(exc.param)),
             status_code=exc.status_code,
-            headers={"Retry-After": str(retry_after)} if retry_after is not None else None,
+            headers=headers,
         )
+
+    async def parse_body(request: Request, model: type[M]) -> M:
+        """The JSON body as `model` (parsed and checked off the loop: server/body.py)."""
+        try:
+            raw = await request.body()
+        except ClientDisconnect:
+            _disconnects.warning("body", "a client disconnected before its request body was in")
+            raise RequestError("the client disconnected", 499) from None
+        return await tm.offload(decode_body, raw, model, tm.inputs.limits)
 
     # ------------------------------------------------------------------ native
     @app.post("/generate")
     async def generate(request: Request) -> Any:
         req = await parse_body(request, GenerateRequest)
-        prompts, is_batch = tm.inputs.prepare_generate(
-            req.text, req.input_ids, req.sampling_params, req.rid, req.logprob_fields()
+        prompts, is_batch = await tm.offload(
+            tm.inputs.prepare_generate,
+            req.text,
+            req.input_ids,
+            req.sampling_params,
+            req.rid,
+            req.logprob_fields(),
         )
         if req.stream:
             states = await tm.submit(prompts, stream=True)
@@ -155,7 +159,7 @@ def create_app(tm: TokenizerManager) -> FastAPI:
                 _generate_events(states, is_batch), media_type="text/event-stream"
             )
         outputs = await tm.collect(prompts, request.is_disconnected)
-        return outputs if is_batch else outputs[0]
+        return JSONResponse(outputs if is_batch else outputs[0])  # json.dumps, no encoder pass
 
     async def _generate_events(states: list[Any], is_batch: bool) -> AsyncIterator[str]:
         async for i, out in tm.follow(states, stream=True):
@@ -190,40 +194,7 @@ def create_app(tm: TokenizerManager) -> FastAPI:
             raise RequestError("the health-check request was aborted", 503)
         return Response(status_code=200)
 
-    @app.get("/model_info")  # SGLang's newer name; the router asks it first
-    @app.get("/get_model_info")
-    async def get_model_info() -> dict[str, Any]:
-        info = tm.model_info
-        return {
-            "model_path": tm.server_args.model_path,
-            "tokenizer_path": info.get("tokenizer_path"),
-            "served_model_name": tm.served_model_name,
-            "is_generation": True,
-            "context_length": tm.context_length,
-            "vocab_size": tm.vocab_size,
-            "max_total_tokens": info.get("max_total_tokens"),
-            "model_type": info.get("model_type"),
-            "architectures": info.get("architectures"),
-        }
-
-    @app.get("/server_info")
-    @app.get("/get_server_info")
-    async def get_server_info() -> dict[str, Any]:
-        replicas = await tm.get_replica_stats()
-        stats = merge_stats(replicas)
-        info = tm.model_info
-        return {
-            **tm.server_args.to_dict(),
-            **info,
-            "max_total_num_tokens": info.get("max_total_tokens"),  # SGLang's name
-            "served_model_name": tm.served_model_name,
-            **stats,
-            "tree_core": stats.get("tree_core") or info.get("tree_core"),
-            "internal_states": replicas,
-            "version": __version__,
-        }
-
-    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    @app.post("/flush_cache")  # it changes state: POST only
     async def flush_cache() -> Response:
         resp = await tm.flush_cache()
         if not resp.success:
@@ -255,46 +226,27 @@ def create_app(tm: TokenizerManager) -> FastAPI:
     add_tokenize_routes(app, tm, parse_body)
     add_router_routes(app, tm)
 
+    add_info_routes(app, tm, given_args or tm.server_args)
+
     # ------------------------------------------------------------------ OpenAI
-    def model_card() -> dict[str, Any]:
-        return {
-            "id": tm.served_model_name,
-            "object": "model",
-            "created": int(time.time()),
-            "owned_by": "sglite",
-            "root": tm.server_args.model_path,
-            "max_model_len": tm.context_length,
-        }
-
-    @app.get("/v1/models")
-    async def list_models() -> dict[str, Any]:
-        return {"object": "list", "data": [model_card()]}
-
-    @app.get("/v1/models/{model:path}")
-    async def retrieve_model(model: str) -> dict[str, Any]:
-        if model != tm.served_model_name:
-            raise RequestError(
-                f"model {model!r} not found; this server serves {tm.served_model_name!r}",
-                404,
-                param="model",
-            )
-        return model_card()
-
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
         req = await parse_body(request, CompletionRequest)
+        prompts, lens = await tm.offload(openai_api.completion_prompts, tm, req)
         if req.stream:
-            prompts, lens = openai_api.completion_prompts(tm, req)
             return await _openai_stream(prompts, lens, req, chat=False)
-        return await openai_api.completions(tm, req, request.is_disconnected)
+        out = await openai_api.completions(tm, req, request.is_disconnected, (prompts, lens))
+        return JSONResponse(out)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:
         req = await parse_body(request, ChatCompletionRequest)
+        prompts, lens = await tm.offload(openai_api.chat_prompts, tm, req)
         if req.stream:
-            prompts, lens = openai_api.chat_prompts(tm, req)
             return await _openai_stream(prompts, lens, req, chat=True)
-        return await openai_api.chat(tm, req, request.is_disconnected)
+        return JSONResponse(
+            await openai_api.chat(tm, req, request.is_disconnected, (prompts, lens))
+        )
 
     async def _openai_stream(
         prompts: list[Prompt], lens: list[int], req: Any, *, chat: bool

@@ -1,8 +1,11 @@
 """Request validation: turns request fields into tokenized, checked `Prompt`s.
 
-Every check the server makes on input lives here and runs once, in the main process,
-before anything reaches the scheduler. A failure raises `RequestError` with the HTTP status
-(400 for bad input) and a message that names the field and says what is allowed.
+Every check the server makes on input fields lives here (with the request limits of
+server/limits.py, the raw body's checks of server/body.py and the chat tokenization of
+server/chat_tokens.py) and runs once, in the main process, before anything reaches the
+scheduler; limits that need no tokens come before any tokenization. A failure raises
+`RequestError` with the HTTP status (400 for bad input) and a message that names the field
+and says what is allowed.
 """
 
 from __future__ import annotations
@@ -17,29 +20,13 @@ from sglite.constrained import edge_check
 from sglite.core.budget import PrefillBudget
 from sglite.logprobs import LogprobOptions
 from sglite.sampling_params import SamplingParams, model_sampling_defaults
+from sglite.server.chat_tokens import ChatTokenizer
+from sglite.server.errors import RequestError
+from sglite.server.limits import RequestLimits
 
 logger = logging.getLogger(__name__)
 
 MAX_N = 128  # parallel samples per prompt
-
-
-class RequestError(ValueError):
-    """A request the server refuses; `status_code` is the HTTP status to answer with."""
-
-    def __init__(self, message: str, status_code: int = 400, param: str | None = None):
-        super().__init__(message)
-        self.message = message
-        self.status_code = status_code
-        self.param = param
-
-
-RETRY_AFTER_S = 1  # what a client refused by --max-queued-requests is told to wait
-
-
-class QueueFullError(RequestError):
-    """The waiting queue is at --max-queued-requests: HTTP 503 with a Retry-After header."""
-
-    retry_after_s = RETRY_AFTER_S
 
 
 @dataclass
@@ -68,6 +55,8 @@ class InputProcessor:
         is_rid_free: Callable[[str], bool] = lambda rid: True,
         sampling_defaults: dict[str, Any] | None = None,
         check_grammar: Callable[[tuple[str, str]], None] | None = None,
+        limits: RequestLimits | None = None,
+        parse_special_in_content: bool = False,
     ):
         self.tokenizer = tokenizer
         self.context_length = context_length
@@ -78,6 +67,8 @@ class InputProcessor:
         self.sampling_defaults = dict(sampling_defaults or {})  # fields a request leaves out
         # structured output: a syntax check of the grammar (sglite.constrained.edge_check)
         self.check_grammar = check_grammar
+        self.limits = limits or RequestLimits()  # none by default (the offline Engine)
+        self.chat = ChatTokenizer(tokenizer, parse_special_in_content=parse_special_in_content)
 
     @classmethod
     def for_server(
@@ -86,10 +77,11 @@ class InputProcessor:
         server_args: Any,
         model_info: dict[str, Any],
         is_rid_free: Callable[[str], bool],
+        limits: RequestLimits | None = None,
     ) -> InputProcessor:
         """The checks a server (or Engine) makes: the model's limits from the scheduler's
         ready info, sampling defaults per --sampling-defaults (logged), the grammar
-        backend's syntax check."""
+        backend's syntax check, the request `limits` (HTTP only)."""
         defaults: dict[str, Any] = {}
         if getattr(server_args, "sampling_defaults", "model") == "model":
             defaults = model_sampling_defaults(model_info.get("model_path"))
@@ -106,6 +98,8 @@ class InputProcessor:
             is_rid_free=is_rid_free,
             sampling_defaults=defaults,
             check_grammar=edge_check(getattr(server_args, "grammar_backend", "xgrammar")),
+            limits=limits,
+            parse_special_in_content=getattr(server_args, "parse_special_tokens_in_content", False),
         )
 
     def max_new_tokens_limit(self, prompt_len: int) -> int:
@@ -127,7 +121,14 @@ class InputProcessor:
             raise RequestError(f"{param} must be a string, got {type(text).__name__}", param=param)
         if not text:
             raise RequestError(f"{param} is empty; give a non-empty prompt", param=param)
-        return list(self.tokenizer.encode(text))
+        self.limits.check_chars(len(text), param)
+        return self.encode(text, param)
+
+    def encode(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
+        try:
+            return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        except (TypeError, ValueError) as e:  # e.g. a lone surrogate from the Engine's caller
+            raise RequestError(f"{param}: the text cannot be tokenized ({e})", param=param) from e
 
     def apply_chat_template(
         self,
@@ -136,24 +137,22 @@ class InputProcessor:
         template_kwargs: dict[str, Any] | None = None,
     ) -> tuple[str, list[int]]:
         """Render the conversation (with the tools and the template's own variables, e.g.
-        enable_thinking) and tokenize it."""
+        enable_thinking) and tokenize it; special-token text in message content stays plain
+        text (server/chat_tokens.py)."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise RequestError(
                 "messages: this model has no chat template; use /v1/completions", param="messages"
             )
+        num_chars = sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str))
+        self.limits.check_chars(num_chars, "messages")
         try:
-            text = self.tokenizer.apply_chat_template(
-                messages,
-                tools=tools,
-                tokenize=False,
-                add_generation_prompt=True,
-                **(template_kwargs or {}),
-            )
+            return self.chat.encode_chat(messages, tools=tools, **(template_kwargs or {}))
+        except RequestError:
+            raise
         except Exception as e:  # jinja errors: unsupported role order, ...
             raise RequestError(
                 f"messages: the chat template rejected them ({e})", param="messages"
             ) from e
-        return text, list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def check_ids(self, ids: Any, param: str) -> list[int]:
         if not isinstance(ids, list) or not ids:
@@ -174,6 +173,7 @@ class InputProcessor:
         `param` prefixes error messages (None: the keys are top-level request fields)."""
         if data is not None and not isinstance(data, dict):
             raise RequestError(f"{param} must be an object", param=param)
+        self.limits.check_sampling(data or {}, param)
         data = {**self.sampling_defaults, **(data or {})}
         n = data.pop("n", 1)
         if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_N:
@@ -200,6 +200,7 @@ class InputProcessor:
         if not ask:
             return None
         opts = {k: v for k, v in fields.items() if k != "return_logprob" and v is not None}
+        self.limits.check_logprob_fields(opts)
         try:
             return LogprobOptions.from_request(**opts, vocab_size=self.vocab_size)
         except ValueError as e:
@@ -298,12 +299,16 @@ class InputProcessor:
         if isinstance(rid, str) and is_batch:
             rid = [f"{rid}_{i}" for i in range(len(items))]
         rids = _per_item(rid, len(items), "rid")
+        self.limits.check_prompts(len(items), param)
         lp_fields = _logprob_fields_per_item(logprob or {}, len(items), is_batch)
+        # every check that needs no tokens comes first, for the whole batch
+        params = [self.sampling_params(sp_dict) for sp_dict in sps]
+        self.limits.check_sequences(sum(n for _, n in params))
+        options = [self.logprob_options(fields) for fields in lp_fields]
         prompts: list[Prompt] = []
-        for i, (item, sp_dict, r) in enumerate(zip(items, sps, rids)):
+        for i, (item, (sp, n), r) in enumerate(zip(items, params, rids)):
             where = f"{param}[{i}]" if is_batch else param
             ids = self.tokenize(item, where) if text is not None else self.check_ids(item, where)
-            sp, n = self.sampling_params(sp_dict)
             prompts += self.make_prompts(
                 ids,
                 sp,
@@ -311,7 +316,7 @@ class InputProcessor:
                 param=where,
                 rid=r,
                 text=item if text is not None else None,
-                logprob=self.logprob_options(lp_fields[i]),
+                logprob=options[i],
             )
         if len({p.rid for p in prompts}) != len(prompts):
             raise RequestError("rid: request ids must be unique", param="rid")

@@ -50,6 +50,14 @@ def check_model(tm: TokenizerManager, model: str) -> None:
     "default", the Hub id or whatever their config holds (responses carry the served name)."""
 
 
+def check_limits(
+    tm: TokenizerManager, req: CompletionRequest | ChatCompletionRequest, num_prompts: int
+) -> None:
+    """The request limits that need no tokens (server/limits.py), before any tokenization."""
+    tm.inputs.limits.check_sequences(num_prompts * max(req.n, 1))
+    tm.inputs.limits.check_sampling(req.sampling_dict(None), None)
+
+
 def _usage(
     prompt_lens: list[int], outputs: list[dict[str, Any]], cache_report: bool = False
 ) -> UsageInfo:
@@ -111,6 +119,7 @@ def completion_prompts(
         items = list(p)
     if not items:
         raise RequestError("prompt: is an empty list", param="prompt")
+    check_limits(tm, req, len(items))
     lists = []
     for i, item in enumerate(items):
         param = "prompt" if len(items) == 1 else f"prompt[{i}]"
@@ -141,6 +150,7 @@ def chat_prompts(
     req: ChatCompletionRequest,
 ) -> tuple[list[Prompt], list[int]]:
     check_model(tm, req.model)
+    check_limits(tm, req, 1)
     messages = [_message_dict(m, i) for i, m in enumerate(req.messages)]
     # tools, tool_choice, template kwargs, reasoning: server/chat_request.py
     plan = plan_chat(
@@ -172,9 +182,13 @@ def chat_prompts(
 
 
 async def completions(
-    tm: TokenizerManager, req: CompletionRequest, is_disconnected: IsDisconnected | None
+    tm: TokenizerManager,
+    req: CompletionRequest,
+    is_disconnected: IsDisconnected | None,
+    prepared: tuple[list[Prompt], list[int]] | None = None,
 ) -> dict[str, Any]:
-    prompts, lens = completion_prompts(tm, req)
+    """`prepared`: completion_prompts(tm, req), when the caller made them (off the loop)."""
+    prompts, lens = prepared or completion_prompts(tm, req)
     outputs = await tm.collect(prompts, is_disconnected)
     choices = [
         CompletionChoice(
@@ -196,9 +210,13 @@ async def completions(
 
 
 async def chat(
-    tm: TokenizerManager, req: ChatCompletionRequest, is_disconnected: IsDisconnected | None
+    tm: TokenizerManager,
+    req: ChatCompletionRequest,
+    is_disconnected: IsDisconnected | None,
+    prepared: tuple[list[Prompt], list[int]] | None = None,
 ) -> dict[str, Any]:
-    prompts, lens = chat_prompts(tm, req)
+    """`prepared`: chat_prompts(tm, req), when the caller made them (off the loop)."""
+    prompts, lens = prepared or chat_prompts(tm, req)
     outputs = await tm.collect(prompts, is_disconnected)
     choices = []
     for i, (p, o) in enumerate(zip(prompts, outputs)):

@@ -18,7 +18,16 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
+
+DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's max_tokens default for /v1/completions
 
 
 class _Request(BaseModel):
@@ -145,9 +154,14 @@ class _OpenAISampling(_Request):
 
 class CompletionRequest(_OpenAISampling):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
+    max_tokens: int = DEFAULT_COMPLETION_TOKENS  # null means the default, as in OpenAI
     echo: bool = False
     logprobs: int | None = None
+
+    @field_validator("max_tokens", mode="before")
+    @classmethod
+    def _null_is_default(cls, value: Any) -> Any:
+        return DEFAULT_COMPLETION_TOKENS if value is None else value
 
 
 class ChatMessage(_Request):

@@ -4,15 +4,18 @@ POST /tokenize   {"prompt": str | [str], "add_special_tokens": true, "model": an
               -> {"tokens": [int] | [[int]], "count": int | [int], "max_model_len": int}
 POST /detokenize {"tokens": [int] | [[int]], "skip_special_tokens": true, "model": any}
               -> {"text": str | [str]}
-Token ids are checked against the vocabulary (400 naming the bad one).
+Token ids are checked against the vocabulary (400 naming the bad one); prompts count against
+--max-prompts-per-request and --max-prompt-chars. The work runs off the event loop.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict
 
 from sglite.server.inputs import RequestError
@@ -39,13 +42,15 @@ class DetokenizeRequest(_Request):
 def add_tokenize_routes(app: FastAPI, tm: Any, parse_body: ParseBody) -> None:
     """Register the routes on `app`, answering with `tm`'s tokenizer."""
 
-    async def tokenize(request: Request) -> dict[str, Any]:
-        req = await parse_body(request, TokenizeRequest)
-        prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
-        tokens = [
-            list(tm.tokenizer.encode(p, add_special_tokens=req.add_special_tokens)) for p in prompts
-        ]
-        if isinstance(req.prompt, str):
+    def encode(req: TokenizeRequest) -> dict[str, Any]:
+        single = isinstance(req.prompt, str)
+        prompts = [req.prompt] if single else req.prompt
+        tokens = []
+        for i, p in enumerate(prompts):
+            where = "prompt" if single else f"prompt[{i}]"
+            tm.inputs.limits.check_chars(len(p), where)
+            tokens.append(tm.inputs.encode(p, where, req.add_special_tokens))
+        if single:
             return {
                 "tokens": tokens[0],
                 "count": len(tokens[0]),
@@ -57,8 +62,7 @@ def add_tokenize_routes(app: FastAPI, tm: Any, parse_body: ParseBody) -> None:
             "max_model_len": tm.context_length,
         }
 
-    async def detokenize(request: Request) -> dict[str, Any]:
-        req = await parse_body(request, DetokenizeRequest)
+    def decode(req: DetokenizeRequest) -> dict[str, Any]:
         is_batch = bool(req.tokens) and isinstance(req.tokens[0], list)
         lists: list[Any] = req.tokens if is_batch else [req.tokens]
         for i, ids in enumerate(lists):
@@ -73,6 +77,17 @@ def add_tokenize_routes(app: FastAPI, tm: Any, parse_body: ParseBody) -> None:
             tm.tokenizer.decode(ids, skip_special_tokens=req.skip_special_tokens) for ids in lists
         ]
         return {"text": texts if is_batch else texts[0]}
+
+    def answer(make: Callable[[Any], dict[str, Any]], req: Any) -> Response:
+        """The JSON answer, serialized here (off the loop: a long token list is slow)."""
+        body = json.dumps(make(req), ensure_ascii=False, separators=(",", ":")).encode()
+        return Response(body, media_type="application/json")
+
+    async def tokenize(request: Request) -> Response:
+        return await tm.offload(answer, encode, await parse_body(request, TokenizeRequest))
+
+    async def detokenize(request: Request) -> Response:
+        return await tm.offload(answer, decode, await parse_body(request, DetokenizeRequest))
 
     for prefix in ("", "/v1"):
         app.add_api_route(prefix + "/tokenize", tokenize, methods=["POST"])

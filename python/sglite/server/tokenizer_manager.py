@@ -9,7 +9,9 @@ on the event shared by the requests they submitted together. A caller that goes 
 (client disconnect, cancelled task) aborts its unfinished requests, each by its exact id: a
 prefix abort (SGLang's /abort_request) would also hit every request whose id extends it.
 The detokenizer, which has no socket to the scheduler, asks for aborts through us: an
-AbortReq that arrives on the receive socket is forwarded to the scheduler. With --dp-size N
+AbortReq that arrives on the receive socket is forwarded to the scheduler. CPU work of the
+HTTP routes (parsing, templating, tokenizing) runs in `offload`'s threads (--tokenizer-threads),
+so the loop stays free; HF fast tokenizers release the GIL while they encode. With --dp-size N
 the scheduler is N replicas behind `self.dispatcher` (server/dp_dispatcher.py): a request
 goes to one, aborts and control requests to all, and their stats come back merged.
 """
@@ -18,10 +20,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import zmq
@@ -39,7 +43,9 @@ from sglite.messages import (
 )
 from sglite.scheduler.watchdog import Heartbeat, stall_threshold
 from sglite.server.dp_dispatcher import Dispatcher, merge_flush, merge_stats
-from sglite.server.inputs import InputProcessor, Prompt, QueueFullError, RequestError
+from sglite.server.errors import QueueFullError, RequestError
+from sglite.server.inputs import InputProcessor, Prompt
+from sglite.server.limits import RequestLimits
 from sglite.server.logprob_format import LogprobLists, TokenTexts
 from sglite.server.metrics import create_metrics
 from sglite.server.req_state import ReqState, raise_if_failed
@@ -63,7 +69,9 @@ class TokenizerManager:
         *,
         max_queued_requests: int | None = None,
         heartbeat: Heartbeat | None = None,
+        limits: RequestLimits | None = None,
     ):
+        """`limits`: what one request may ask for (the HTTP server's; none by default)."""
         self.server_args = server_args
         self.model_info = model_info
         self.tokenizer = tokenizer
@@ -86,7 +94,10 @@ class TokenizerManager:
         )
         self.states: dict[str, ReqState] = {}
         self.inputs = InputProcessor.for_server(
-            tokenizer, server_args, model_info, is_rid_free=lambda r: r not in self.states
+            tokenizer, server_args, model_info, lambda r: r not in self.states, limits
+        )
+        self._pool = ThreadPoolExecutor(
+            getattr(server_args, "tokenizer_threads", 4), thread_name_prefix="sglite-tokenize"
         )
         self.dead_reason: str | None = None  # set when a child process died
         self.heartbeat = heartbeat or Heartbeat()  # when the scheduler's current step began
@@ -112,7 +123,13 @@ class TokenizerManager:
         self._receiver = AsyncReceiver(self._actx, self.ipc.tokenizer, bind=True)
         self._recv_task = asyncio.create_task(self._recv_loop(), name="sglite-recv")
 
+    async def offload(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """`fn(*args)` in a tokenizer thread (CPU work that must not block the loop)."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, functools.partial(fn, *args))
+
     async def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
         if self._recv_task is not None:
             self._recv_task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -245,23 +262,18 @@ class TokenizerManager:
                 f"(--max-queued-requests {limit}); retry in {QueueFullError.retry_after_s} s",
                 503,
             )
+        taken = next((p.rid for p in prompts if p.rid in self.states), None)
+        if taken is not None:  # prepared in a thread: another request may have taken it since
+            raise RequestError(f"rid: {taken!r} is not a free request id", param="rid")
         notify = asyncio.Event()
-        states = [
-            ReqState(
-                p.rid,
-                len(p.input_ids),
-                stream,
-                notify,
-                prompt_text=p.input_text,
-                sampling_params=p.sampling_params,
-            )
-            for p in prompts
-        ]
-        for p, state in zip(prompts, states):
+        states = []
+        for p in prompts:
+            state = ReqState(p.rid, len(p.input_ids), stream, notify, prompt_text=p.input_text)
+            state.sampling_params = p.sampling_params
             if p.logprob is not None:
                 state.logprobs = LogprobLists(p.logprob, self.token_texts)
-        for state in states:
-            self.states[state.rid] = state
+            self.states[p.rid] = state
+            states.append(state)
         try:
             for p in prompts:
                 await self._send_retrying(

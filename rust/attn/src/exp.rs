@@ -36,9 +36,47 @@ pub fn exp_nonpositive(x: f32) -> f32 {
     y * scale
 }
 
-/// Replaces `row` by `exp(row - max(row))` and returns the sum of the new values.
+/// exp(x) - 1 for x <= 0, accurate near 0 too (no cancellation: for |x| < ln2/2 it is the
+/// reduced polynomial itself, without the 1 + that `exp_nonpositive` adds).
 #[inline(always)]
-pub fn softmax_numerators(row: &mut [f32]) -> f32 {
+pub fn expm1_nonpositive(x: f32) -> f32 {
+    #[allow(clippy::manual_clamp)]
+    let x = x.max(-87.0).min(0.0);
+    let n = (x * LOG2E + 0.5).floor();
+    let r = x - n * LN2_HI - n * LN2_LO;
+    let mut poly = P[0];
+    for c in &P[1..] {
+        poly = poly * r + c;
+    }
+    let small = poly * r * r + r; // exp(r) - 1
+                                  // SAFETY: as in `exp_nonpositive`.
+    let k = unsafe { n.to_int_unchecked::<i32>() };
+    let scale = f32::from_bits(((k + 127) as u32) << 23);
+    if n == 0.0 {
+        small
+    } else {
+        (small + 1.0) * scale - 1.0
+    }
+}
+
+/// `cap * tanh(s / cap)` of every score (a logit soft-cap), branch-free so that it vectorizes:
+/// tanh(|y|) = -m / (2 + m) with m = exp(-2|y|) - 1.
+#[inline(always)]
+pub fn soft_cap(row: &mut [f32], cap: f32) {
+    let inv = 1.0 / cap;
+    for s in row {
+        let y = *s * inv;
+        let m = expm1_nonpositive(-2.0 * y.abs());
+        let t = -m / (2.0 + m);
+        *s = cap * if y < 0.0 { -t } else { t };
+    }
+}
+
+/// Replaces `row` by `exp(row - top)` and returns the sum of the new values, where `top` is
+/// the largest of `row` and `sink`; a sink (an extra logit that weighs no value) adds its
+/// `exp(sink - top)` to the sum only.
+#[inline(always)]
+pub fn softmax_numerators(row: &mut [f32], sink: Option<f32>) -> f32 {
     const LANES: usize = 16;
     let mut maxes = [f32::NEG_INFINITY; LANES];
     let (main, tail) = row.split_at(row.len() - row.len() % LANES);
@@ -57,6 +95,9 @@ pub fn softmax_numerators(row: &mut [f32]) -> f32 {
     for m in maxes {
         max = if m > max { m } else { max };
     }
+    if let Some(sink) = sink {
+        max = if sink > max { sink } else { max };
+    }
     let mut sums = [0f32; LANES];
     let split = main.len();
     let (main, tail) = row.split_at_mut(split);
@@ -71,5 +112,6 @@ pub fn softmax_numerators(row: &mut [f32]) -> f32 {
         *x = exp_nonpositive(*x - max);
         sum += *x;
     }
-    sums.iter().sum::<f32>() + sum
+    let sink_weight = sink.map_or(0.0, |s| exp_nonpositive(s - max));
+    sums.iter().sum::<f32>() + sum + sink_weight
 }

@@ -6,6 +6,10 @@
 //! - `table`: the request-to-token table `[table_rows, table_width]` of i32 slot ids. Query
 //!   `i` attends to the keys at slots `table[rows[i], 0 .. seq_lens[i]]`.
 //! - GQA: query head `h` reads KV head `h / (num_heads / num_kv_heads)`.
+//! - Per layer variations: a sliding window `W` (the plan's) keeps each row's last `W` keys
+//!   only, `table[rows[i], max(0, seq_lens[i] - W) .. seq_lens[i]]`; a logit cap `c > 0`
+//!   turns each score `s` into `c * tanh(s / c)` before the softmax; sinks (one logit per
+//!   query head) join the softmax's denominator only.
 //!
 //! Why it exists: the torch path gathers every row's K/V into a padded copy in each layer
 //! (read and write all of it, then SDPA reads it again). Here each K/V row is read once per
@@ -87,6 +91,16 @@ pub struct Problem<'a, T> {
     pub seq_lens: &'a [i64],
     pub dims: Dims,
     pub scale: f32,
+    /// Keep only each row's last `window` keys (None: all of them).
+    pub window: Option<usize>,
+    pub variant: Variant<'a>,
+}
+
+/// What a layer adds to softmax attention: a logit cap (0: none) and sinks (`[num_heads]`).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Variant<'a> {
+    pub logit_cap: f32,
+    pub sinks: Option<&'a [f32]>,
 }
 
 /// What changes from layer to layer: the queries, this layer's pool and the head layout.
@@ -96,6 +110,7 @@ pub struct Layer<'a, T> {
     pub v: &'a [T],
     pub dims: Dims,
     pub scale: f32,
+    pub variant: Variant<'a>,
 }
 
 /// A violated layout contract; nothing was written.
@@ -129,6 +144,7 @@ pub fn decode_attention<T: Elem>(
         p.rows,
         p.seq_lens,
         p.dims.num_kv_heads,
+        p.window,
     )?;
     let layer = Layer {
         q: p.q,
@@ -136,6 +152,7 @@ pub fn decode_attention<T: Elem>(
         v: p.v,
         dims: p.dims,
         scale: p.scale,
+        variant: p.variant,
     };
     plan.run(&layer, out, num_threads)
 }
@@ -155,17 +172,22 @@ pub struct DecodePlan {
 
 impl DecodePlan {
     /// Query row i attends to the slots `table[rows[i], 0 .. seq_lens[i]]` (table
-    /// `[table_rows, table_width]`).
+    /// `[table_rows, table_width]`), or to the last `window` of them.
     pub fn new(
         table: &[i32],
         table_width: usize,
         rows: &[i64],
         seq_lens: &[i64],
         num_kv_heads: usize,
+        window: Option<usize>,
     ) -> Result<Self, AttnError> {
         if num_kv_heads == 0 {
             return err("num_kv_heads must be >= 1".to_owned());
         }
+        if window == Some(0) {
+            return err("window must be >= 1 (None: no window)".to_owned());
+        }
+        let window = window.unwrap_or(usize::MAX);
         if rows.len() != seq_lens.len() {
             return err(format!(
                 "{} rows but {} seq_lens",
@@ -180,7 +202,8 @@ impl DecodePlan {
             ));
         }
         let table_rows = table.len() / table_width;
-        let mut slots = Vec::with_capacity(seq_lens.iter().map(|&l| l.max(0) as usize).sum());
+        let kept = |len: i64| (len.max(0) as usize).min(window);
+        let mut slots = Vec::with_capacity(seq_lens.iter().map(|&l| kept(l)).sum());
         let mut starts = vec![0];
         let mut largest_slot: Option<(i32, usize)> = None;
         for (&row, &len) in rows.iter().zip(seq_lens) {
@@ -192,8 +215,8 @@ impl DecodePlan {
             if len < 1 || len as usize > table_width {
                 return err(format!("seq_len {len} is outside 1..={table_width}"));
             }
-            let start = row as usize * table_width;
-            let own = &table[start..start + len as usize];
+            let end = row as usize * table_width + len as usize;
+            let own = &table[end - kept(len)..end];
             if let Some(bad) = own.iter().find(|&&s| s < 0) {
                 return err(format!("slot {bad} of row {row} is outside the pool"));
             }
@@ -269,6 +292,20 @@ impl DecodePlan {
             num_kv_heads,
             head_dim,
         } = layer.dims;
+        let Variant { logit_cap, sinks } = layer.variant;
+        if !(logit_cap.is_finite() && logit_cap >= 0.0) {
+            return err(format!(
+                "logit_cap must be finite and >= 0, got {logit_cap}"
+            ));
+        }
+        if let Some(sinks) = sinks {
+            if sinks.len() != num_heads {
+                return err(format!(
+                    "{} sinks for {num_heads} query heads; one per head",
+                    sinks.len()
+                ));
+            }
+        }
         if num_kv_heads != self.num_kv_heads
             || head_dim == 0
             || !num_heads.is_multiple_of(num_kv_heads)

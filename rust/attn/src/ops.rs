@@ -1,5 +1,6 @@
 //! The decoder layer's element-wise steps on the CPU, each one pass over memory: the residual
-//! add fused with RMSNorm, SiLU(gate) * up, and the rotary embedding of q and k.
+//! add fused with RMSNorm, act(gate) * up (SiLU or the tanh GELU), and the rotary embedding
+//! of q and k.
 //!
 //! torch runs each of these as three to six ops (and as many passes and temporaries); on a
 //! decode step their dispatch, not their arithmetic, is what costs (about 9 ms of a 100 ms
@@ -177,8 +178,30 @@ fn norm_row<T: Elem>(x: &[T], weight: &[T], out: &mut [T], eps: f32) {
     }
 }
 
-/// `out[r] = silu(x[r, :d]) * x[r, d:]` for rows of `2d` elements (`out`: rows of `d`).
-pub fn silu_and_mul<T: Elem>(
+/// The activation on the gate of a gated MLP.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Gate {
+    /// SwiGLU's `x * sigmoid(x)`.
+    Silu,
+    /// GeGLU's tanh GELU (torch's `gelu(approximate="tanh")`).
+    GeluTanh,
+}
+
+impl Gate {
+    pub fn from_name(name: &str) -> Result<Gate, AttnError> {
+        match name {
+            "silu" => Ok(Gate::Silu),
+            "gelu_tanh" => Ok(Gate::GeluTanh),
+            _ => err(format!(
+                "gated_mul: activation {name:?} is not silu or gelu_tanh"
+            )),
+        }
+    }
+}
+
+/// `out[r] = gate(x[r, :d]) * x[r, d:]` for rows of `2d` elements (`out`: rows of `d`).
+pub fn gated_mul<T: Elem>(
+    gate: Gate,
     x: &[T],
     out: &mut [T],
     d: usize,
@@ -186,33 +209,52 @@ pub fn silu_and_mul<T: Elem>(
 ) -> Result<(), AttnError> {
     if d == 0 || !out.len().is_multiple_of(d) || x.len() != 2 * out.len() {
         return err(format!(
-            "silu_and_mul: x has {} elements and out {}; they must be [rows, {}] and [rows, {d}]",
+            "gated_mul: x has {} elements and out {}; they must be [rows, {}] and [rows, {d}]",
             x.len(),
             out.len(),
             2 * d
         ));
     }
-    let rows = out.len() / d;
-    let job = SiluJob {
-        x,
-        out: Shared(out.as_mut_ptr()),
-        d,
-    };
-    for_rows(rows, 2 * d, threads, &job);
+    let (rows, out) = (out.len() / d, Shared(out.as_mut_ptr()));
+    match gate {
+        Gate::Silu => for_rows(
+            rows,
+            2 * d,
+            threads,
+            &GatedJob {
+                x,
+                out,
+                d,
+                act: silu,
+            },
+        ),
+        Gate::GeluTanh => for_rows(
+            rows,
+            2 * d,
+            threads,
+            &GatedJob {
+                x,
+                out,
+                d,
+                act: gelu_tanh,
+            },
+        ),
+    }
     Ok(())
 }
 
-struct SiluJob<'a, T> {
+struct GatedJob<'a, T, A> {
     x: &'a [T],
     out: Shared<T>,
     d: usize,
+    act: A,
 }
 
-impl<T: Elem> RowJob for SiluJob<'_, T> {
+impl<T: Elem, A: Fn(f32) -> f32 + Sync> RowJob for GatedJob<'_, T, A> {
     #[inline(always)]
     unsafe fn run(&self, from: usize, to: usize) {
         const LANES: usize = 16;
-        let d = self.d;
+        let (d, act) = (self.d, &self.act);
         for row in from..to {
             let (gate, up) = self.x[row * 2 * d..][..2 * d].split_at(d);
             let out = self.out.rows(row * d, d);
@@ -223,22 +265,35 @@ impl<T: Elem> RowJob for SiluJob<'_, T> {
                 let u: &[T; LANES] = up[j..j + LANES].try_into().unwrap();
                 let o: &mut [T; LANES] = (&mut out[j..j + LANES]).try_into().unwrap();
                 for l in 0..LANES {
-                    o[l] = T::from_f32(round::<T>(silu(g[l].to_f32())) * u[l].to_f32());
+                    o[l] = T::from_f32(round::<T>(act(g[l].to_f32())) * u[l].to_f32());
                 }
             }
             for j in whole..d {
-                out[j] = T::from_f32(round::<T>(silu(gate[j].to_f32())) * up[j].to_f32());
+                out[j] = T::from_f32(round::<T>(act(gate[j].to_f32())) * up[j].to_f32());
             }
         }
     }
 }
 
-/// `x * sigmoid(x)`, with exp only of non-positive arguments (no overflow, vectorizes).
+/// `1 / (1 + exp(-x))`, with exp only of non-positive arguments (no overflow, vectorizes).
 #[inline(always)]
-fn silu(x: f32) -> f32 {
+fn sigmoid(x: f32) -> f32 {
     let e = exp_nonpositive(-x.abs()); // exp(-|x|) in (0, 1]
     let numerator = if x >= 0.0 { 1.0 } else { e };
-    x * numerator / (1.0 + e)
+    numerator / (1.0 + e)
+}
+
+/// `x * sigmoid(x)`.
+#[inline(always)]
+fn silu(x: f32) -> f32 {
+    x * sigmoid(x)
+}
+
+/// `0.5 x (1 + tanh(u))` with `u = sqrt(2/pi) (x + 0.044715 x^3)`, written as `x sigmoid(2u)`.
+#[inline(always)]
+fn gelu_tanh(x: f32) -> f32 {
+    const TWO_C: f32 = 2.0 * 0.797_884_6; // 2 sqrt(2 / pi)
+    x * sigmoid(TWO_C * (x + 0.044715 * x * x * x))
 }
 
 /// Where the rows of q or k are: `heads` heads of `head_dim` elements starting every

@@ -10,6 +10,7 @@
 //!   chunking cuts a request so that prefix + extend ends on a page boundary, and a cut request
 //!   reserves no decode tokens.
 //! - `max_new_tokens_limit`: the same rule for a prompt alone in an idle pool, for front ends.
+//! - `shortfall`: the tokens `available` lacks for `add_req` to admit a request now (0: it fits).
 //! - `add_chunk`: the next slice of the request being chunked; it always progresses.
 //!
 //! Sizes are i64 at the edge and i128 inside, so no sum can overflow.
@@ -194,6 +195,24 @@ impl PrefillBudget {
         Ok((true, self.state_of(available), granted))
     }
 
+    /// The tokens `available` lacks for `add_req` to admit this request now by the memory rule
+    /// (0 when it fits); charges nothing.
+    pub fn shortfall(
+        &self,
+        available: i64,
+        extend_len: i64,
+        max_new_tokens: i64,
+    ) -> CoreResult<i128> {
+        let available = size(available, "available")?;
+        let extend_len = size(extend_len, "extend_len")?;
+        if extend_len < 1 {
+            return bad("extend_len must be >= 1: every admitted request computes a token".into());
+        }
+        let max_new = size(max_new_tokens, "max_new_tokens")?.min(CLIP_MAX_NEW_TOKENS.into());
+        let limit = max_new_limit(available - self.total_offset, extend_len, self.ps);
+        Ok((max_new - limit).max(0))
+    }
+
     /// Charge the next slice of the request being chunked: (state for the next one, granted).
     pub fn add_chunk(
         &mut self,
@@ -375,6 +394,32 @@ mod tests {
         assert!(PrefillBudget::max_new_tokens_limit(1, 1, -1).is_err());
         let extreme = PrefillBudget::max_new_tokens_limit(0, i64::MAX, i64::MAX).unwrap();
         assert_eq!(extreme, -2 * i128::from(i64::MAX) - 1);
+    }
+
+    #[test]
+    fn shortfall_is_the_distance_to_add_reqs_rule() {
+        for ps in [1, 4, 16] {
+            let mut b = PrefillBudget::new(ps, 10_000, None, 0).unwrap();
+            b.reserve_running(&[300], &[true], 0.7).unwrap();
+            for (avail, extend, max_new) in [(1000, 50, 100), (400, 50, 100), (300, 1, 9000)] {
+                let short = b.shortfall(avail, extend, max_new).unwrap();
+                let short_i64 = i64::try_from(short).unwrap();
+                assert_eq!(
+                    b.clone().add_req(avail, 0, extend, max_new).unwrap().0,
+                    short == 0
+                );
+                if short > 0 {
+                    let fits = b.clone().add_req(avail + short_i64, 0, extend, max_new);
+                    assert!(fits.unwrap().0);
+                    let still = b.clone().add_req(avail + short_i64 - 1, 0, extend, max_new);
+                    assert!(!still.unwrap().0);
+                }
+            }
+            assert_eq!(b.total_offset(), 300); // charges nothing
+        }
+        let b = PrefillBudget::new(1, 10, None, 0).unwrap();
+        assert!(b.shortfall(10, 0, 1).is_err());
+        assert!(b.shortfall(-1, 1, 1).is_err());
     }
 
     #[test]

@@ -7,7 +7,7 @@
 //! errors (sizes, rows, lengths, slot ids) raise ValueError and write nothing. A run releases
 //! the GIL.
 
-use cpu_attn::{AttnError, Bf16, Dims, Elem, Layer};
+use cpu_attn::{AttnError, Bf16, Dims, Elem, Layer, Variant};
 use pyo3::prelude::*;
 
 use crate::convert::value_error;
@@ -56,14 +56,17 @@ pub struct PyDecodePlan {
 #[pymethods]
 impl PyDecodePlan {
     /// `table` int32 `[rows, table_width]`, `rows` and `seq_lens` int64 `[n]`, each as
-    /// `(address, element count)` of a contiguous CPU tensor; read here, not kept.
+    /// `(address, element count)` of a contiguous CPU tensor; read here, not kept. `window`:
+    /// each row keeps its last `window` keys only (None: all).
     #[new]
+    #[pyo3(signature = (table, table_width, rows, seq_lens, num_kv_heads, window=None))]
     fn new(
         table: (usize, usize),
         table_width: usize,
         rows: (usize, usize),
         seq_lens: (usize, usize),
         num_kv_heads: usize,
+        window: Option<usize>,
     ) -> PyResult<Self> {
         let (table, rows, seq_lens) = (
             Raw::new("table", table, 4)?,
@@ -78,6 +81,7 @@ impl PyDecodePlan {
                 rows.slice::<i64>(),
                 seq_lens.slice::<i64>(),
                 num_kv_heads,
+                window,
             )
         };
         Ok(Self {
@@ -91,8 +95,12 @@ impl PyDecodePlan {
     }
 
     /// One layer: q and out `[n, num_heads, head_dim]`, k and v `[num_slots, num_kv_heads,
-    /// head_dim]`, all "float32" or all "bfloat16" (`dtype`).
-    #[pyo3(signature = (q, k, v, out, num_heads, num_kv_heads, head_dim, scale, dtype, num_threads))]
+    /// head_dim]`, all "float32" or all "bfloat16" (`dtype`); `logit_cap` (0: none) and
+    /// `sinks` (float32 `[num_heads]`, or None) as in `cpu_attn::Variant`.
+    #[pyo3(signature = (
+        q, k, v, out, num_heads, num_kv_heads, head_dim, scale, dtype, num_threads,
+        logit_cap=0.0, sinks=None
+    ))]
     #[allow(clippy::too_many_arguments)]
     fn run(
         &self,
@@ -107,6 +115,8 @@ impl PyDecodePlan {
         scale: f32,
         dtype: &str,
         num_threads: usize,
+        logit_cap: f32,
+        sinks: Option<(usize, usize)>,
     ) -> PyResult<()> {
         let elem = match dtype {
             "float32" => 4,
@@ -119,6 +129,7 @@ impl PyDecodePlan {
             Raw::new("v", v, elem)?,
             Raw::new("out", out, elem)?,
         );
+        let sinks = sinks.map(|s| Raw::new("sinks", s, 4)).transpose()?;
         let dims = Dims {
             num_heads,
             num_kv_heads,
@@ -128,10 +139,19 @@ impl PyDecodePlan {
         let result = py.allow_threads(|| {
             // SAFETY: as in `new`; `out` does not overlap the inputs.
             unsafe {
+                let variant = Variant {
+                    logit_cap,
+                    sinks: sinks.as_ref().map(|s| s.slice::<f32>()),
+                };
+                let shape = Shape {
+                    dims,
+                    scale,
+                    variant,
+                };
                 if elem == 4 {
-                    run::<f32>(plan, [&q, &k, &v], &out, dims, scale, num_threads)
+                    run::<f32>(plan, [&q, &k, &v], &out, shape, num_threads)
                 } else {
-                    run::<Bf16>(plan, [&q, &k, &v], &out, dims, scale, num_threads)
+                    run::<Bf16>(plan, [&q, &k, &v], &out, shape, num_threads)
                 }
             }
         });
@@ -139,21 +159,28 @@ impl PyDecodePlan {
     }
 }
 
+/// A layer's head layout, softmax scale and variant.
+struct Shape<'a> {
+    dims: Dims,
+    scale: f32,
+    variant: Variant<'a>,
+}
+
 /// SAFETY: see `Raw::slice`.
 unsafe fn run<T: Elem>(
     plan: &cpu_attn::DecodePlan,
     [q, k, v]: [&Raw; 3],
     out: &Raw,
-    dims: Dims,
-    scale: f32,
+    shape: Shape<'_>,
     num_threads: usize,
 ) -> Result<(), AttnError> {
     let layer = Layer {
         q: q.slice::<T>(),
         k: k.slice::<T>(),
         v: v.slice::<T>(),
-        dims,
-        scale,
+        dims: shape.dims,
+        scale: shape.scale,
+        variant: shape.variant,
     };
     plan.run(&layer, out.slice_mut::<T>(), num_threads)
 }

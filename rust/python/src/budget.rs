@@ -161,6 +161,26 @@ impl PyPrefillBudget {
         Ok((admitted, state as u8, granted))
     }
 
+    /// The tokens `available` lacks for add_req to admit this request now (0 when it fits).
+    fn shortfall(
+        &self,
+        available: &Bound<'_, PyAny>,
+        extend_len: &Bound<'_, PyAny>,
+        max_new_tokens: &Bound<'_, PyAny>,
+    ) -> PyResult<i128> {
+        let available = as_size(available, "available")?;
+        let extend_len = as_size(extend_len, "extend_len")?;
+        if extend_len < 1 {
+            return Err(value_error(
+                "extend_len must be >= 1: every admitted request computes a token",
+            ));
+        }
+        let max_new = as_size(max_new_tokens, "max_new_tokens")?;
+        self.inner
+            .shortfall(available, extend_len, max_new)
+            .map_err(core_err)
+    }
+
     /// Charge the next slice of the request being chunked: (state for the next one, granted).
     fn add_chunk(
         &mut self,

@@ -1,4 +1,4 @@
-//! `sglite._core.rms_norm`, `silu_and_mul`, `rope`: the Python face of `cpu_attn::ops`, the
+//! `sglite._core.rms_norm`, `gated_mul`, `rope`: the Python face of `cpu_attn::ops`, the
 //! decoder layer's fused element-wise steps on the CPU.
 //!
 //! As with `DecodePlan`, tensors cross as `(address, element count)`; the only caller,
@@ -21,7 +21,7 @@ fn elem_size(dtype: &str) -> PyResult<usize> {
     }
 }
 
-fn to_py(r: Result<(), AttnError>) -> PyResult<()> {
+fn to_py<R>(r: Result<R, AttnError>) -> PyResult<R> {
     r.map_err(|e| value_error(e.0))
 }
 
@@ -77,24 +77,26 @@ pub fn rms_norm(
     }))
 }
 
-/// `out[r] = silu(x[r, :d]) * x[r, d:]`.
+/// `out[r] = act(x[r, :d]) * x[r, d:]`, `activation` "silu" or "gelu_tanh".
 #[pyfunction]
-pub fn silu_and_mul(
+pub fn gated_mul(
     py: Python<'_>,
     x: (usize, usize),
     out: (usize, usize),
     d: usize,
+    activation: &str,
     dtype: &str,
     num_threads: usize,
 ) -> PyResult<()> {
+    let gate = to_py(ops::Gate::from_name(activation))?;
     let size = elem_size(dtype)?;
     let (x, out) = (Raw::new("x", x, size)?, Raw::new("out", out, size)?);
     // SAFETY: as in `rms_norm`.
     to_py(py.allow_threads(|| unsafe {
         if size == 4 {
-            ops::silu_and_mul(x.slice::<f32>(), out.slice_mut(), d, num_threads)
+            ops::gated_mul(gate, x.slice::<f32>(), out.slice_mut(), d, num_threads)
         } else {
-            ops::silu_and_mul(x.slice::<Bf16>(), out.slice_mut(), d, num_threads)
+            ops::gated_mul(gate, x.slice::<Bf16>(), out.slice_mut(), d, num_threads)
         }
     }))
 }

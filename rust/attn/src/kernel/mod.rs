@@ -7,7 +7,7 @@
 //! are prefetched (a row's slots are scattered over the pool, which the hardware prefetcher
 //! cannot follow; without it a decode step at 16 x 1,150 tokens took 2x longer).
 
-use crate::{exp, DecodePlan, Dims, Elem, Layer};
+use crate::{exp, DecodePlan, Dims, Elem, Layer, Variant};
 
 mod isa;
 #[cfg(target_arch = "x86_64")]
@@ -216,12 +216,16 @@ unsafe fn run_body<T: Elem, H: HeadDim, I: Isa>(
             }
         });
         sums.clear();
+        let Variant { logit_cap, sinks } = p.variant;
         for (m, &i) in members.iter().enumerate() {
             let len = plan.slots(i).len();
             for j in 0..per_kv {
-                sums.push(exp::softmax_numerators(
-                    &mut scores[offsets[m] + j * len..][..len],
-                ));
+                let row = &mut scores[offsets[m] + j * len..][..len];
+                if logit_cap > 0.0 {
+                    exp::soft_cap(row, logit_cap);
+                }
+                let sink = sinks.map(|s| s[h * per_kv + j]);
+                sums.push(exp::softmax_numerators(row, sink));
             }
         }
         acc.clear();

@@ -66,9 +66,12 @@ pub(super) fn problem(c: &Case) -> Problem<'_, f32> {
         seq_lens: &c.seq_lens,
         dims: c.dims,
         scale: 0.125,
+        window: None,
+        variant: Variant::default(),
     }
 }
 
+/// The definition in f64: row i's last `window` keys, scores capped, softmax with the sink.
 pub(super) fn reference(p: &Problem<'_, f32>) -> Vec<f64> {
     let Dims {
         num_heads,
@@ -76,9 +79,12 @@ pub(super) fn reference(p: &Problem<'_, f32>) -> Vec<f64> {
         head_dim: d,
     } = p.dims;
     let group = num_heads / num_kv_heads;
+    let cap = p.variant.logit_cap as f64;
     let mut out = vec![0f64; p.q.len()];
     for (i, (&row, &len)) in p.rows.iter().zip(p.seq_lens).enumerate() {
-        let slots = &p.table[row as usize * p.table_width..][..len as usize];
+        let len = len as usize;
+        let first = len.saturating_sub(p.window.unwrap_or(len));
+        let slots = &p.table[row as usize * p.table_width..][first..len];
         for h in 0..num_heads {
             let kv = h / group;
             let q = &p.q[(i * num_heads + h) * d..][..d];
@@ -86,16 +92,27 @@ pub(super) fn reference(p: &Problem<'_, f32>) -> Vec<f64> {
                 .iter()
                 .map(|&s| {
                     let key = &p.k[(s as usize * num_kv_heads + kv) * d..][..d];
-                    q.iter()
+                    let s = q
+                        .iter()
                         .zip(key)
                         .map(|(a, b)| *a as f64 * *b as f64)
                         .sum::<f64>()
-                        * p.scale as f64
+                        * p.scale as f64;
+                    if cap > 0.0 {
+                        cap * (s / cap).tanh()
+                    } else {
+                        s
+                    }
                 })
                 .collect();
-            let max = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            let sink = p.variant.sinks.map(|s| s[h] as f64);
+            let max = scores
+                .iter()
+                .cloned()
+                .chain(sink)
+                .fold(f64::NEG_INFINITY, f64::max);
             let weights: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
-            let total: f64 = weights.iter().sum();
+            let total: f64 = weights.iter().sum::<f64>() + sink.map_or(0.0, |s| (s - max).exp());
             for (w, &s) in weights.iter().zip(slots) {
                 let value = &p.v[(s as usize * num_kv_heads + kv) * d..][..d];
                 for (o, x) in out[(i * num_heads + h) * d..][..d].iter_mut().zip(value) {
@@ -192,6 +209,8 @@ fn bf16_shell(c: &Case) -> Problem<'_, Bf16> {
         seq_lens: &c.seq_lens,
         dims: c.dims,
         scale: 0.125,
+        window: None,
+        variant: Variant::default(),
     }
 }
 
@@ -291,3 +310,4 @@ fn exp_is_accurate_on_the_softmax_range() {
 
 mod ops;
 mod plan;
+mod variants;

@@ -1,7 +1,7 @@
 //! The element-wise kernels against f64 definitions, and the thread pool's contract.
 
 use super::Rng;
-use crate::ops::{rms_norm, rope, silu_and_mul, HeadRows};
+use crate::ops::{gated_mul, rms_norm, rope, Gate, HeadRows};
 use crate::pool;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -35,21 +35,28 @@ fn rms_norm_adds_the_residual_and_normalises() {
 }
 
 #[test]
-fn silu_and_mul_is_accurate_over_a_wide_range() {
+fn gated_mul_is_accurate_over_a_wide_range() {
+    let c = (2.0 / std::f64::consts::PI).sqrt();
+    let silu = |g: f64| g / (1.0 + (-g).exp());
+    let gelu = |g: f64| 0.5 * g * (1.0 + (c * (g + 0.044715 * g * g * g)).tanh());
+    let cases: [(Gate, &dyn Fn(f64) -> f64); 2] = [(Gate::Silu, &silu), (Gate::GeluTanh, &gelu)];
     let mut rng = Rng(11);
-    for (rows, d, threads) in [(1, 5, 1), (4, 16, 2), (64, 1536, 2)] {
-        let x: Vec<f32> = (0..rows * 2 * d).map(|_| rng.unit() * 100.0).collect();
-        let mut out = vec![0f32; rows * d];
-        silu_and_mul(&x, &mut out, d, threads).unwrap();
-        for r in 0..rows {
-            for j in 0..d {
-                let (g, u) = (x[r * 2 * d + j] as f64, x[r * 2 * d + d + j] as f64);
-                let want = g / (1.0 + (-g).exp()) * u;
-                assert!(close(out[r * d + j], want, 2e-6), "{g} {u}");
+    for (gate, want_act) in cases {
+        for (rows, d, threads) in [(1, 5, 1), (4, 16, 2), (64, 1536, 2)] {
+            let x: Vec<f32> = (0..rows * 2 * d).map(|_| rng.unit() * 100.0).collect();
+            let mut out = vec![0f32; rows * d];
+            gated_mul(gate, &x, &mut out, d, threads).unwrap();
+            for r in 0..rows {
+                for j in 0..d {
+                    let (g, u) = (x[r * 2 * d + j] as f64, x[r * 2 * d + d + j] as f64);
+                    let want = want_act(g) * u;
+                    assert!(close(out[r * d + j], want, 2e-6), "{gate:?} {g} {u}");
+                }
             }
         }
+        assert!(gated_mul(gate, &[0f32; 6], &mut [0f32; 2], 2, 1).is_err());
     }
-    assert!(silu_and_mul(&[0f32; 6], &mut [0f32; 2], 2, 1).is_err());
+    assert!(Gate::from_name("gelu").is_err());
 }
 
 #[test]

@@ -47,6 +47,8 @@ fn rows_sharing_a_prefix_are_grouped() {
         seq_lens: &lens,
         dims,
         scale: 1.0,
+        window: None,
+        variant: Variant::default(),
     };
     let groups = plan_of(&p).groups;
     let got: Vec<(Vec<usize>, usize)> = groups
@@ -96,6 +98,7 @@ fn plan_of(p: &Problem<'_, f32>) -> DecodePlan {
         p.rows,
         p.seq_lens,
         p.dims.num_kv_heads,
+        p.window,
     )
     .unwrap()
 }
@@ -121,6 +124,7 @@ fn one_plan_serves_every_layer_and_checks_each() {
             v: &v,
             dims,
             scale: 0.125,
+            variant: Variant::default(),
         };
         let mut out = vec![0f32; c.q.len()];
         plan.run(&layer, &mut out, 2).unwrap();
@@ -145,6 +149,7 @@ fn one_plan_serves_every_layer_and_checks_each() {
         v: &small,
         dims,
         scale: 1.0,
+        variant: Variant::default(),
     };
     let e = plan.run(&layer, &mut out, 2).unwrap_err();
     assert!(e.0.contains("outside the pool"), "{e}");
@@ -159,6 +164,7 @@ fn one_plan_serves_every_layer_and_checks_each() {
         v: &c.v,
         dims: other,
         scale: 1.0,
+        variant: Variant::default(),
     };
     assert!(plan
         .run(&layer, &mut out, 2)
