@@ -14,7 +14,6 @@ from collections.abc import Iterable, Sequence
 
 # flag -> what it is, for the message
 UNSUPPORTED: dict[str, str] = {
-    "--quantization": "weight quantization",
     "--quantization-param-path": "weight quantization",
     "--kv-cache-dtype": "a KV cache dtype other than the model's",
     "--load-format": "weight formats other than safetensors and GGUF",

@@ -112,7 +112,10 @@ class LinearBase(nn.Module):
     def weight_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None
     ) -> None:
-        where = self.place(loaded, shard_id)
+        self.store(param, self.place(loaded, shard_id))
+
+    def store(self, param: nn.Parameter, where: Placement) -> None:
+        """Copy a placed checkpoint tensor into `param` (the packed layers keep theirs)."""
         dst = param.data if where.size is None else param.data.narrow(0, where.row, where.size)
         _copy_checked(dst, where.shard, where.what)
 
@@ -298,7 +301,13 @@ class QKVParallelLinear(ColumnParallelLinear):
 
     def place(self, loaded: torch.Tensor, shard_id: str | int | None = None) -> Placement:
         if shard_id in ("q", "k") and self.head_permutation is not None:
-            loaded = permute_heads(loaded, self.head_permutation, self.head_dim, 0)
+            if isinstance(loaded, torch.Tensor):
+                loaded = permute_heads(loaded, self.head_permutation, self.head_dim, 0)
+            else:  # packed rows: the same permutation of whole rows
+                rows = torch.arange(loaded.shape[0])
+                loaded = loaded.take_rows(
+                    permute_heads(rows, self.head_permutation, self.head_dim, 0)
+                )
         offsets = {
             "q": (0, self.q_size),
             "k": (self.q_size, self.kv_size),

@@ -13,7 +13,9 @@ the block). They allocate no float weight; the packed rows arrive by `load_packe
 shard_id)` and the bias (float) by its parameter's `weight_loader` as before. Forward, in the
 activations' dtype: on CPU the native kernels (`quant_kernels`: a GEMV for decode, int8 tiles
 for prefill); elsewhere, or without the native module, the weight dequantized by torch
-(`quant_formats.dequantize`) for each call.
+(`quant_formats.dequantize`) for each call. A tensor the file stores in a float type (or a
+block type these kernels lack) arrives as `DenseRows` (float32) and is multiplied by torch.
+`packed_class(cls)` maps each float layer class to its packed twin.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from sglite.layers import quant_kernels
 from sglite.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
+    Placement,
     QKVParallelLinear,
     ReplicatedLinear,
     RowParallelLinear,
@@ -118,9 +121,59 @@ class PackedRows:
         """The rows at `index` (a copy), e.g. to undo llama.cpp's Q/K row permutation."""
         return PackedRows(self.qtype, self.data.index_select(0, index), self.in_features)
 
+    def split(self, sizes: list[int]) -> list[PackedRows]:
+        """Consecutive row windows of `sizes` rows (a fused tensor's parts; zero-copy)."""
+        return _split_rows(self, sizes)
+
     def dequantize(self) -> torch.Tensor:
         """float32 `[rows, in_features]` by torch, on the data's device."""
         return dequantize(self.qtype, self.data, self.in_features)
+
+
+@dataclass(frozen=True)
+class DenseRows:
+    """Float32 rows `[rows, in_features]` in a packed layer: what the file stores in F32, F16
+    or BF16 (or in a block type without native kernels), dequantized once at load."""
+
+    data: torch.Tensor
+    qtype: str = "F32"
+
+    @property
+    def num_rows(self) -> int:
+        return self.data.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.data.shape[1]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.num_rows, self.in_features)
+
+    def dim(self) -> int:
+        return 2
+
+    def narrow(self, dim: int, start: int, length: int) -> DenseRows:
+        return DenseRows(self.data.narrow(dim, start, length), self.qtype)
+
+    def take_rows(self, index: torch.Tensor) -> DenseRows:
+        return DenseRows(self.data.index_select(0, index), self.qtype)
+
+    def split(self, sizes: list[int]) -> list[DenseRows]:
+        return _split_rows(self, sizes)
+
+    def dequantize(self) -> torch.Tensor:
+        return self.data.float()
+
+
+def _split_rows(rows, sizes: list[int]) -> list:
+    if sum(sizes) != rows.num_rows:
+        raise ValueError(f"cannot split {rows.num_rows} {rows.qtype} rows into {list(sizes)}")
+    starts = np.cumsum([0, *sizes[:-1]]).tolist()
+    return [rows.narrow(0, start, size) for start, size in zip(starts, sizes)]
+
+
+Rows = PackedRows | DenseRows
 
 
 class PackedWeight:
@@ -128,11 +181,13 @@ class PackedWeight:
 
     def __init__(self, out_features: int, in_features: int) -> None:
         self.out_features, self.in_features = out_features, in_features
-        self.segments: list[tuple[int, PackedRows]] = []
-        self.kernel: str | None = None  # None: by batch size (quant_kernels)
-        self._native: list[tuple[int, quant_kernels.Prepared]] | None = None
+        self.segments: list[tuple[int, Rows]] = []
+        # None: by batch size (quant_kernels); "exact": float32 activations at every size
+        # (gemv up to quant_kernels.gemv_max_rows() rows, gemm_f32 beyond); or one kernel
+        self.kernel: str | None = None
+        self._native: list[tuple[int, quant_kernels.Prepared | torch.Tensor]] | None = None
 
-    def put(self, row: int, rows: PackedRows, size: int | None, what: str) -> None:
+    def put(self, row: int, rows: Rows, size: int | None, what: str) -> None:
         """Place `rows` at `row`; `size` the rows expected there (None: the whole weight)."""
         want = self.out_features if size is None else size
         if rows.shape != (want, self.in_features) or not 0 <= row <= self.out_features - want:
@@ -153,7 +208,7 @@ class PackedWeight:
 
     @property
     def nbytes(self) -> int:
-        return sum(seg.num_rows * seg.data.shape[1] for _, seg in self.segments)
+        return sum(seg.data.numel() * seg.data.element_size() for _, seg in self.segments)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """`x W^T` for x `[..., in_features]`, in x's dtype."""
@@ -168,9 +223,14 @@ class PackedWeight:
             if flat.dtype != torch.float32 or not flat.is_contiguous():
                 flat = flat.to(torch.float32).contiguous()
             y = torch.empty((flat.shape[0], self.out_features), dtype=torch.float32)
-            threads = torch.get_num_threads()
+            threads, kernel = torch.get_num_threads(), self.kernel
+            if kernel == "exact":
+                kernel = "gemv" if flat.shape[0] <= quant_kernels.gemv_max_rows() else "gemm_f32"
             for row, prepared in native:
-                prepared.run(flat, y, row, self.kernel, threads)
+                if isinstance(prepared, torch.Tensor):  # DenseRows
+                    y[:, row : row + prepared.shape[0]] = flat @ prepared.T
+                else:
+                    prepared.run(flat, y, row, kernel, threads)
         else:
             flat = flat.to(torch.float32)
             y = torch.cat([flat @ seg.dequantize().T for _, seg in self.segments], dim=-1)
@@ -178,12 +238,14 @@ class PackedWeight:
             y = y.to(x.dtype)
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
 
-    def _prepared(self) -> list[tuple[int, quant_kernels.Prepared]] | None:
+    def _prepared(self) -> list[tuple[int, quant_kernels.Prepared | torch.Tensor]] | None:
         """The segments checked for the native kernels (once), or None without them."""
         if self._native is None and quant_kernels.unavailable_reason() is None:
             if all(seg.data.device.type == "cpu" for _, seg in self.segments):
                 self._native = [
-                    (row, quant_kernels.Prepared(seg.qtype, seg.data, self.in_features))
+                    (row, seg.data)
+                    if isinstance(seg, DenseRows)
+                    else (row, quant_kernels.Prepared(seg.qtype, seg.data, self.in_features))
                     for row, seg in self.segments
                 ]
         return self._native
@@ -200,16 +262,25 @@ class _Packed:
     def __init__(self, *args, device: torch.device | None = None, **kwargs) -> None:
         super().__init__(*args, device=torch.device("meta"), **kwargs)
         if self.bias is not None:
-            bias = torch.zeros(self.bias.shape, dtype=self.bias.dtype, device=device)
+            meta = self.bias
+            bias = torch.zeros(meta.shape, dtype=meta.dtype, device=device)
             self.bias = nn.Parameter(bias, requires_grad=False)
             self.bias.weight_loader = self.weight_loader
+            if hasattr(meta, "shard_ids"):
+                self.bias.shard_ids = meta.shard_ids
         self.weight = None
         self.packed = PackedWeight(self.out_features, self.in_features)
 
-    def load_packed(self, rows: PackedRows, shard_id: str | int | None = None) -> None:
-        """Place a checkpoint tensor's packed rows (the whole tensor; sharded here)."""
-        where = self.place(rows, shard_id)
-        self.packed.put(where.row, where.shard, where.size, where.what)
+    def load_packed(self, rows: Rows, shard_id: str | int | None = None) -> None:
+        """Place a checkpoint tensor's packed rows (the whole tensor: sharded here; a fused
+        one, shard id None in a merged or QKV layer, split as the float layers split it)."""
+        self.weight_loader(None, rows, shard_id)
+
+    def store(self, param: nn.Parameter | None, where: Placement) -> None:
+        if param is not None:  # the bias
+            super().store(param, where)
+        else:
+            self.packed.put(where.row, where.shard, where.size, where.what)
 
     def prepack(self) -> bool:
         return False
@@ -244,3 +315,19 @@ class QuantRowParallelLinear(_Packed, RowParallelLinear):
         if self.tp_size > 1:
             y = self.tp_group.all_reduce(y)
         return y if self.bias is None else y + self.bias
+
+
+_PACKED_CLASSES = {
+    ReplicatedLinear: QuantReplicatedLinear,
+    ColumnParallelLinear: QuantColumnParallelLinear,
+    MergedColumnParallelLinear: QuantMergedColumnParallelLinear,
+    QKVParallelLinear: QuantQKVParallelLinear,
+    RowParallelLinear: QuantRowParallelLinear,
+}
+
+
+def packed_class(cls: type) -> type:
+    """The packed twin of a float layer class of `sglite.layers.linear`."""
+    if cls not in _PACKED_CLASSES:
+        raise ValueError(f"{cls.__name__} has no packed (GGUF) form")
+    return _PACKED_CLASSES[cls]

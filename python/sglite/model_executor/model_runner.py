@@ -117,6 +117,8 @@ class ModelRunner:
         tp_rank: int = 0,
         dist_init_addr: str | None = None,
         dist_timeout: float | None = None,
+        quantization: str | None = None,
+        quant_kernel: str = "auto",
     ) -> None:
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
@@ -153,6 +155,8 @@ class ModelRunner:
             dtype=self.dtype,
             device=self.device,
             tp_group=self.tp_group,
+            quantization=quantization,
+            quant_kernel=quant_kernel,
         )
         if self.device.type == "cpu":
             logger.info("packing the linear weights for oneDNN")

@@ -78,14 +78,20 @@ class DecoderForCausalLM(nn.Module):
         dtype: torch.dtype,
         device: torch.device | None = None,
         tp_group: TPGroup = NULL_TP_GROUP,
+        packed: bool = False,
     ) -> None:
-        """With `tp_group` of size > 1 the model holds this rank's shard (see layers.linear)."""
+        """With `tp_group` of size > 1 the model holds this rank's shard (see layers.linear).
+        `packed`: the linear layers, embeddings and LM head hold GGUF blocks (loaded as
+        `PackedRows` by `load_weights`; see sglite.models.gguf.weights)."""
         super().__init__()
         spec = self.decoder_spec(ConfigFields(config))
         _check(config, spec)
         self.config, self.spec = config, spec
-        self.model = DecoderModel(Build(config, spec, dtype, device, tp_group))
-        self.lm_head = ParallelLMHead(
+        self.model = DecoderModel(Build(config, spec, dtype, device, tp_group, packed))
+        head_cls = ParallelLMHead
+        if packed:
+            from sglite.layers.quant_embedding import QuantParallelLMHead as head_cls
+        self.lm_head = head_cls(
             config.vocab_size,
             config.hidden_size,
             bias=spec.lm_head_bias,
@@ -120,6 +126,10 @@ class DecoderForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load checkpoint tensors by HF name; unknown or missing tensors are an error."""
         params = dict(self.named_parameters(remove_duplicate=False))
+        # packed layers take their weights whole (`load_packed`), not as parameters
+        packed = {
+            f"{name}.weight": m for name, m in self.named_modules() if hasattr(m, "load_packed")
+        }
         loaded: dict[str, set] = defaultdict(set)
         tied = self.config.tie_word_embeddings
         for name, tensor in weights:
@@ -127,6 +137,10 @@ class DecoderForCausalLM(nn.Module):
                 continue
             for target, shard_id, part in self.checkpoint_targets(name, tensor):
                 if tied and target == "lm_head.weight":
+                    continue
+                if target in packed:
+                    packed[target].load_packed(part, shard_id)
+                    loaded[target].add(shard_id)
                     continue
                 param = params.get(target)
                 if param is None:
@@ -142,6 +156,11 @@ class DecoderForCausalLM(nn.Module):
             if None not in loaded[name]
             for shard_id in getattr(param, "shard_ids", (None,))
             if shard_id not in loaded[name]
+        ]
+        missing += [
+            self._checkpoint_name(name, None)
+            for name, m in packed.items()
+            if not (m.is_loaded if hasattr(m, "is_loaded") else m.packed.is_complete)
         ]
         if missing:
             raise ValueError(
