@@ -25,9 +25,19 @@ fi
 export SGL_TREE_CORE=auto
 "$PY" -c 'import sglite.core as c; c.load(); print(c.describe())' 2>&1 | tee -a "$OUT/summary.log"
 
-log "pytest -m gpu"
-timeout 300 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests > "$OUT/pytest_gpu.log" 2>&1
+log "pytest -m gpu (fused MoE apart, below)"
+timeout 300 "$PY" -m pytest -q -m gpu -p no:cacheprovider --ignore=tests/test_moe_triton.py tests \
+  > "$OUT/pytest_gpu.log" 2>&1
 log "pytest exit $? : $(tail -n 1 "$OUT/pytest_gpu.log")"
+
+log "pytest -m gpu tests/test_moe_triton.py (Triton fused MoE vs the fp32 reference)"
+timeout 240 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/test_moe_triton.py \
+  > "$OUT/pytest_moe_triton.log" 2>&1
+log "fused MoE tests exit $? : $(tail -n 1 "$OUT/pytest_moe_triton.log")"
+
+log "fused MoE kernel vs per-expert loops"
+timeout 180 "$PY" benches/bench_moe_triton.py --out "$OUT/moe_triton.json" > "$OUT/moe_triton.log" 2>&1
+log "fused MoE bench exit $? : $(tail -n 5 "$OUT/moe_triton.log")"
 
 log "decode kernel bandwidth"
 timeout 120 "$PY" benches/bench_decode_kernel.py --out "$OUT/decode_kernel.json" > "$OUT/decode_kernel.log" 2>&1

@@ -161,6 +161,18 @@ def test_packed_layers_hold_the_files_bytes(gguf_case):
     assert not in_file(q.data) and not in_file(k.data) and in_file(v.data)  # q, k: copies
 
 
+def test_a_moe_gguf_is_dequantized_at_load_and_refused_packed(gguf_case):
+    """Mixture-of-experts layers have no packed form: by default the file is dequantized at
+    load (the same logits as --quantization none); asked for packed, it is refused by name."""
+    path = gguf_case("qwen2_moe", "Q8_0", False, None)
+    auto, none = runner(path), runner(path, quantization="none")
+    assert not any(hasattr(m, "packed") for m in auto.model.modules())
+    ids = prompts(auto.model_config.vocab_size)
+    torch.testing.assert_close(greedy(auto, ids)[1], greedy(none, ids)[1], atol=0, rtol=0)
+    with pytest.raises(ValueError, match="Qwen2MoeForCausalLM: its mixture-of-experts layers"):
+        runner(path, quantization="gguf")
+
+
 def test_quantization_gguf_needs_a_gguf(tiny_model_dir):
     with pytest.raises(ValueError, match="--quantization gguf needs a .gguf"):
         runner(tiny_model_dir("llama"), quantization="gguf")

@@ -48,17 +48,17 @@ def test_a_damaged_page_is_a_miss_and_is_removed(tmp_path, how):
     st = FileStorage(tmp_path, "model-a", 64)
     h0, h1 = st.hashes(np.arange(128), None, [])
     for h in (h0, h1):
-        assert st.put(h, torch.randn(SHAPE), torch.randn(SHAPE))
+        assert st.put(h, [torch.randn(SHAPE), torch.randn(SHAPE)])
     st.flush()
     st.close()
     restarted = FileStorage(tmp_path, "model-a", 64)
     _damage(restarted.path(h0), how)
     assert restarted.lookup([h0, h1], 0) == 2  # it exists on disk: only reading tells
-    assert restarted.get(h0, torch.float32, SHAPE) is None  # a miss, not an exception
+    assert restarted.get(h0, [(torch.float32, SHAPE)] * 2) is None  # a miss, not an exception
     assert restarted.num_bad_pages == 1
     assert not restarted.path(h0).exists()  # removed: the next restart does not trip on it
     assert restarted.lookup([h0, h1], 0) == 0
-    assert restarted.get(h1, torch.float32, SHAPE) is not None  # the good page still reads
+    assert restarted.get(h1, [(torch.float32, SHAPE)] * 2) is not None  # the good page still reads
     restarted.close()
 
 
@@ -80,7 +80,7 @@ def test_a_failing_writer_logs_once_and_counts(tmp_path, monkeypatch, caplog):
     hashes = st.hashes(np.arange(64 * 6), None, [])
     with caplog.at_level(logging.WARNING, logger="sglite.mem_cache.file_storage"):
         for h in hashes:
-            st.put(h, torch.zeros(SHAPE), torch.zeros(SHAPE))
+            st.put(h, [torch.zeros(SHAPE), torch.zeros(SHAPE)])
         st.flush()
     st.close()
     assert st.num_failed_pages == 6 and st.num_written_pages == 0

@@ -71,21 +71,22 @@ def test_hash_chain_depends_on_prefix_namespace_and_seed():
 
 
 def test_file_tier_pages_survive_a_new_storage_and_refuse_mismatches(tmp_path):
-    shape = (3, 64, 2, 8)
-    k, v = torch.randn(shape), torch.randn(shape)
+    page = [torch.randn(64, 2, 8) for _ in range(6)]  # one per buffer: 3 layers' K, then V
+    specs = [(torch.float32, (64, 2, 8))] * 6
     st = FileStorage(tmp_path, "model-a", 64)
     (h,) = st.hashes(np.arange(64), None, [])
-    assert st.put(h, k, v)
+    assert st.put(h, page)
     st.flush()
     assert st.num_written_pages == 1
     again = FileStorage(tmp_path, "model-a", 64)  # a restarted server
     assert again.lookup([h, "0" * 64], 0) == 1
-    got = again.get(h, torch.float32, shape)
-    assert got is not None and torch.equal(got[0], k) and torch.equal(got[1], v)
-    assert again.get(h, torch.float16, shape) is None  # another dtype never reads it
+    got = again.get(h, specs)
+    assert got is not None and all(torch.equal(a, b) for a, b in zip(got, page))
+    assert again.get(h, [(torch.float16, (64, 2, 8))] * 6) is None  # another dtype never reads it
+    assert again.get(h, [(torch.float32, (64, 1, 576))] * 3) is None  # nor another layout
     other = FileStorage(tmp_path, "model-b", 64)
     assert other.hashes(np.arange(64), None, [])[0] != h  # another model: other keys
-    assert other.get(h, torch.float32, shape) is None  # and the header refuses it
+    assert other.get(h, specs) is None  # and the header refuses it
     for s in (st, again, other):
         s.close()
 

@@ -100,6 +100,59 @@ MATCHES = {
         "cohere2",
         {"config": {"layer_types": ["full_attention"] * 4}},
     ),
+    # mixture-of-experts (tests/fixtures/tiny_moe.py): routing and layer-schedule fields
+    "qwen2_moe norm_topk_prob": ("qwen2_moe", {"config": {"norm_topk_prob": True}}),
+    "qwen2_moe decoder_sparse_step=2 with mlp_only_layers": (
+        "qwen2_moe",
+        {"config": {"decoder_sparse_step": 2, "mlp_only_layers": [1]}},
+    ),
+    "qwen2_moe num_experts=0 (every layer dense)": ("qwen2_moe", {"config": {"num_experts": 0}}),
+    "qwen2_moe no shared expert": (
+        "qwen2_moe",
+        {"config": {"shared_expert_intermediate_size": 0}},
+    ),
+    "qwen2_moe qkv_bias=False": ("qwen2_moe", {"config": {"qkv_bias": False}}),
+    "qwen2_moe sliding layers": (
+        "qwen2_moe",
+        {"config": {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 3}},
+    ),
+    # training-only fields: the router's aux loss and logits never change the model's logits
+    "qwen2_moe output_router_logits, aux loss (training only)": (
+        "qwen2_moe",
+        {"config": {"output_router_logits": True, "router_aux_loss_coef": 0.5}},
+    ),
+    "qwen3_moe norm_topk_prob=False": ("qwen3_moe", {"config": {"norm_topk_prob": False}}),
+    "qwen3_moe attention_bias": ("qwen3_moe", {"config": {"attention_bias": True}}),
+    "qwen3_moe use_sliding_window": (
+        "qwen3_moe",
+        {"config": {"use_sliding_window": True, "sliding_window": 16}},
+    ),
+    "qwen3_moe top-1 of 4 experts": (
+        "qwen3_moe",
+        {"config": {"num_experts": 4, "num_experts_per_tok": 1}},
+    ),
+    "mixtral router_jitter_noise (training only)": (
+        "mixtral",
+        {"config": {"router_jitter_noise": 0.1}},
+    ),
+    "mixtral head_dim=32": ("mixtral", {"head_dim": 32}),
+    "mixtral top-3": ("mixtral", {"config": {"num_experts_per_tok": 3}}),
+    "olmoe norm_topk_prob": ("olmoe", {"config": {"norm_topk_prob": True}}),
+    "olmoe attention_bias": ("olmoe", {"config": {"attention_bias": True}}),
+    "gpt_oss attention_bias=False": ("gpt_oss", {"config": {"attention_bias": False}}),
+    # transformers' experts run the clamped SwiGLU whatever hidden_act says: so do sglite's
+    "gpt_oss swiglu_alpha, swiglu_limit, hidden_act=gelu (unread)": (
+        "gpt_oss",
+        {"config": {"swiglu_alpha": 1.0, "swiglu_limit": 0.5, "hidden_act": "gelu"}},
+    ),
+    "gpt_oss layer_types full, sliding, sliding, full": (
+        "gpt_oss",
+        {
+            "config": {
+                "layer_types": ["full_attention", *["sliding_attention"] * 2, "full_attention"]
+            }
+        },
+    ),
 }
 
 # case -> (tiny arch, config options, the refusal's message); refused at start-up
@@ -165,6 +218,36 @@ REFUSED = {
         "gemma3",
         {"config": {"attn_logit_softcapping": 50.0}},
         r"Gemma3ForCausalLM: attn_logit_softcapping=50.0 is not supported",
+    ),
+    "olmoe clip_qkv": (
+        "olmoe",
+        {"config": {"clip_qkv": 8.0}},
+        r"OlmoeForCausalLM: clip_qkv=8.0 is not supported",
+    ),
+    "qwen3_moe more experts per token than experts": (
+        "qwen3_moe",
+        {"config": {"num_experts_per_tok": 9}},
+        r"Qwen3MoeForCausalLM: num_experts_per_tok=9 must be in 1..num_experts=8",
+    ),
+    "qwen2_moe decoder_sparse_step=0": (
+        "qwen2_moe",
+        {"config": {"decoder_sparse_step": 0}},
+        r"Qwen2MoeForCausalLM: .*decoder_sparse_step=0 .*must be >= 1",
+    ),
+    "gpt_oss quantized other than MXFP4": (
+        "gpt_oss",
+        {"config": {"quantization_config": {"quant_method": "gptq", "bits": 4}}},
+        r"GptOssForCausalLM: quantization_config.quant_method='gptq' is not supported",
+    ),
+    "gpt_oss more experts per token than experts": (
+        "gpt_oss",
+        {"config": {"num_experts_per_tok": 9}},
+        r"GptOssForCausalLM: num_experts_per_tok=9 must be in 1..num_experts=8",
+    ),
+    "mixtral no experts": (
+        "mixtral",
+        {"config": {"num_local_experts": 0}},
+        r"MixtralForCausalLM: num_experts_per_tok=2 must be in 1..num_experts=0",
     ),
 }
 

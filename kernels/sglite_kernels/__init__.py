@@ -2,7 +2,8 @@
 
 Layout shared by all launchers: KV pool buffers are [num_slots, Hkv, D] indexed by slot id;
 a request's cached tokens are addressed CSR-style (``kv_indptr`` [B+1], ``kv_indices`` the
-flattened slot ids), which covers any page size. Every launcher validates shapes, dtypes,
+flattened slot ids), which covers any page size. MLA's latent pool is [num_slots, 1, Dc + Dr]
+(``mla_decode_attention``: the values are the first Dc dims of each row). Every launcher validates shapes, dtypes,
 devices and strides on the host and raises ValueError on a broken contract.
 """
 
@@ -11,12 +12,14 @@ from .decode_attention import decode_attention, num_kv_splits
 from .extend_attention import extend_attention
 from .kv_indices import fill_kv_indices
 from .kv_store import store_kv
+from .mla_decode import mla_decode_attention
 
 __all__ = [
     "decode_attention",
     "extend_attention",
     "fill_kv_indices",
     "interpreted",
+    "mla_decode_attention",
     "num_kv_splits",
     "store_kv",
 ]

@@ -280,7 +280,8 @@ class ServerArgs:
     reasoning_parser: str | None = _f(
         None,
         "Split <think>...</think> reasoning into reasoning_content: qwen3, qwen3-thinking, "
-        "deepseek-r1 or deepseek-v3.",
+        "deepseek-r1 or deepseek-v3; gpt-oss: harmony's analysis channel is the reasoning, "
+        "its final channel the content.",
         choices=tuple(REASONING_FORMATS),
     )
     kv_events_config: str | None = _f(

@@ -98,8 +98,9 @@ def attend_tokens(
     mask: torch.Tensor | None,
     is_causal: bool = False,
 ) -> torch.Tensor:
-    """Queries of one request: q `[M, H, D]`, keys/values `[N, KVH, D]`, mask `[M, N]` (True:
-    visible) or None; `is_causal`: top-left aligned causal (M == N). -> `[M, H, D]`."""
+    """Queries of one request: q `[M, H, D]`, keys `[N, KVH, D]`, values `[N, KVH, Dv]`, mask
+    `[M, N]` (True: visible) or None; `is_causal`: top-left aligned causal (M == N). -> `[M, H,
+    Dv]`."""
     keys, values = keys.to(q.dtype), values.to(q.dtype)
     if is_plain(layer):
         return F.scaled_dot_product_attention(
@@ -117,12 +118,12 @@ def attend_tokens(
     num_kv = keys.shape[1]
     q5 = q.view(m, num_kv, num_heads // num_kv, d).permute(1, 2, 0, 3).unsqueeze(0)
     k4, v4 = keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0)
-    out = _attend_math(q5, k4, v4, layer, mask)  # [1, KVH, G, M, D]
-    return out[0].permute(2, 0, 1, 3).reshape(m, num_heads, d)
+    out = _attend_math(q5, k4, v4, layer, mask)  # [1, KVH, G, M, Dv]
+    return out[0].permute(2, 0, 1, 3).reshape(m, num_heads, values.shape[-1])
 
 
 def _attend_math(q, keys, values, layer: RadixAttention, mask) -> torch.Tensor:
-    """q `[B, KVH, G, M, D]`, keys/values `[B, KVH, N, D]`, mask broadcastable to
+    """q `[B, KVH, G, M, D]`, keys `[B, KVH, N, D]`, values `[B, KVH, N, Dv]`, mask broadcastable to
     `[B, KVH, G, M, N]` or None; the scores in float32, capped, masked, with the sink.
     The G query heads of a KV head multiply its keys as one `[G * M, D]` matrix (no copy
     of K/V per query head).
@@ -136,7 +137,8 @@ def _attend_math(q, keys, values, layer: RadixAttention, mask) -> torch.Tensor:
     if layer.sinks is not None:  # [H] -> [1, KVH, G, 1, 1], H = KVH * G
         sinks = layer.sinks.detach().float().view(1, *q.shape[1:3], 1, 1)
     keys, values = keys.float(), values.float()
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    dv = values.shape[-1]
+    out = torch.empty((*q.shape[:-1], dv), dtype=q.dtype, device=q.device)
     for lo in range(0, m, step):
         hi = min(m, lo + step)
         part, k_lo, k_hi = None, 0, n
@@ -164,5 +166,5 @@ def _attend_math(q, keys, values, layer: RadixAttention, mask) -> torch.Tensor:
         if sinks is not None:
             denom += torch.exp(sinks - top)
         weights = weights.div_(denom).view(*stacked.shape[:-1], k_hi - k_lo)
-        out[..., lo:hi, :] = torch.matmul(weights, chunk_v).view(q_chunk.shape)
+        out[..., lo:hi, :] = torch.matmul(weights, chunk_v).view(*q_chunk.shape[:-1], dv)
     return out

@@ -12,10 +12,15 @@ Contract
   it with a fused store kernel), then `forward(q, k, v, layer, batch)`. So when `forward`
   runs, this step's K/V are already in the pool at `out_cache_loc` and the rows of
   `req_to_token` cover positions 0 .. seq_len-1 of every request.
-- Shapes: q `[T, num_heads, head_dim]`, k and v `[T, num_kv_heads, head_dim]` (this step's
-  new tokens only, T = batch.num_tokens), `num_heads % num_kv_heads == 0` (GQA: query head
-  h reads KV head h // (num_heads // num_kv_heads)). Returns `[T, num_heads, head_dim]` in
-  q's dtype. Softmax scale is `layer.scaling`.
+- Shapes: q `[T, num_heads, head_dim]`, k `[T, num_kv_heads, head_dim]` and v `[T,
+  num_kv_heads, v_head_dim]` (this step's new tokens only, T = batch.num_tokens),
+  `num_heads % num_kv_heads == 0` (GQA: query head h reads KV head h // (num_heads //
+  num_kv_heads)). Returns `[T, num_heads, v_head_dim]` in q's dtype. Softmax scale is
+  `layer.scaling`. `layer.v_head_dim` is `head_dim` except in MLA's absorbed decode
+  (sglite.layers.latent_attention), whose pool keeps the values inside the keys
+  (`pool.values_in_keys`: `v_buffer[l]` is a view of the first v_head_dim dims of
+  `k_buffer[l]`, and storing k stores v); backends must decode such layers. MLA's prefill
+  does not go through `forward_extend` (it is torch over the gathered latents).
 - Extend/mixed: token t of request i (position p = prefix_len_i + t) attends to positions
   0..p of request i (its cached prefix, then causally within the new tokens). Decode: the
   single new token attends to positions 0..seq_len-1.

@@ -3,7 +3,7 @@
 Decode batches and the decode rows of mixed batches attend through
 `sglite.attention.cpu_kernel` (rust/attn), which reads each row's K/V in place from the
 pool (under a sliding window, only the row's last W keys; logit caps and sinks in the
-kernel too). torch_native gathers them into a padded copy in every layer instead, which on a
+kernel too; MLA's absorbed decode reads its values, the latents, from the key rows). torch_native gathers them into a padded copy in every layer instead, which on a
 1,000-token context costs several times the decode step's matrix multiplications.
 
 A request with several new tokens over a cached prefix, where the window hides nothing,
@@ -90,7 +90,7 @@ class CpuAttnBackend(TorchNativeAttnBackend):
     def _attend_segment(
         self, q, k, v, layer: RadixAttention, batch: ForwardBatch, seg: _Segment
     ) -> torch.Tensor:
-        if seg.kv_slots is None or seg.mask is not None:
+        if seg.kv_slots is None or seg.mask is not None or layer.v_head_dim != layer.head_dim:
             return super()._attend_segment(q, k, v, layer, batch, seg)
         if layer.logit_cap:  # the written-out softmax, with the mask the merge avoids
             num_cached = seg.kv_slots.shape[0]

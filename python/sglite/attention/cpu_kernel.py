@@ -3,7 +3,9 @@
 The kernel (rust/attn) reads K/V in place from one layer of the KV pool: query row i attends
 to the slots `table[rows[i], :seq_lens[i]]` (with a sliding window W, only the last W of
 them), GQA query head h to KV head `h // (num_heads // num_kv_heads)`; a layer may cap its
-logits and add sinks (see `sglite.layers.radix_attention`). A forward pass plans its rows once (`DecodeRows`) and
+logits and add sinks (see `sglite.layers.radix_attention`). Values may be narrower than
+keys: a contiguous `[slots, KVH, Dv]` buffer, or (MLA's latent pool) a view of the first Dv
+dims of the key rows, which the kernel reads in place from the key buffer. A forward pass plans its rows once (`DecodeRows`) and
 attends in every layer; this module checks the layout contract (CPU, dtype, shape,
 contiguity), keeps the tensors alive for each call and returns the output.
 
@@ -116,12 +118,19 @@ class DecodeRows:
         logit_cap: float = 0.0,
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """q `[n, H, D]` over one layer's k/v `[num_slots, KVH, D]`; returns `[n, H, D]`.
+        """q `[n, H, D]` over one layer's k `[num_slots, KVH, D]` and v `[num_slots, KVH,
+        Dv]` (Dv <= D; contiguous, or a view of k's first Dv dims); returns `[n, H, Dv]`.
         `logit_cap` (0: none) caps the scores; `sinks` `[H]` join the softmax's denominator."""
-        if q.dim() != 3 or k_buffer.dim() != 3 or k_buffer.shape != v_buffer.shape:
+        if (
+            q.dim() != 3
+            or k_buffer.dim() != 3
+            or v_buffer.shape[:2] != k_buffer.shape[:2]
+            or v_buffer.shape[2] > k_buffer.shape[2]
+        ):
             raise ValueError(
-                f"decode_attention: q must be [n, H, D] and k/v [slots, KVH, D] alike; got "
-                f"{tuple(q.shape)}, {tuple(k_buffer.shape)}, {tuple(v_buffer.shape)}"
+                f"decode_attention: q must be [n, H, D], k [slots, KVH, D] and v [slots, KVH, "
+                f"Dv <= D]; got {tuple(q.shape)}, {tuple(k_buffer.shape)}, "
+                f"{tuple(v_buffer.shape)}"
             )
         n, num_heads, head_dim = q.shape
         if n != self.num_rows or k_buffer.shape[2] != head_dim:
@@ -134,6 +143,9 @@ class DecodeRows:
                 f"decode_attention: q, k, v must all be float32 or all bfloat16; got "
                 f"{q.dtype}, {k_buffer.dtype}, {v_buffer.dtype}"
             )
+        v_dim = v_buffer.shape[2]
+        if _is_leading_view(v_buffer, k_buffer):
+            v_buffer = k_buffer  # the kernel reads the values in place, from the key rows
         _check_cpu_contiguous(q, k_buffer, v_buffer)
         sink_arg = None
         if sinks is not None:
@@ -144,7 +156,7 @@ class DecodeRows:
                 )
             sinks = sinks.detach().to(torch.float32).contiguous()
             sink_arg = _raw(sinks)
-        out = torch.empty_like(q)
+        out = q.new_empty((n, num_heads, v_dim))
         self.plan.run(
             _raw(q),
             _raw(k_buffer),
@@ -158,6 +170,7 @@ class DecodeRows:
             num_threads if num_threads is not None else torch.get_num_threads(),
             float(logit_cap),
             sink_arg,
+            v_dim,
         )
         return out
 
@@ -183,6 +196,16 @@ def decode_attention(
         )
     plan = DecodeRows(table, rows, seq_lens, k_buffer.shape[1], window)
     return plan.attend(q, k_buffer, v_buffer, scale, num_threads, logit_cap=logit_cap, sinks=sinks)
+
+
+def _is_leading_view(v: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether `v` is `k[..., :Dv]` of a contiguous `k` (MLA's values in its key rows)."""
+    return (
+        v.data_ptr() == k.data_ptr()
+        and v.stride() == k.stride()
+        and k.is_contiguous()
+        and v.shape[2] < k.shape[2]
+    )
 
 
 def _check_cpu_contiguous(*tensors: torch.Tensor) -> None:

@@ -163,15 +163,18 @@ class TorchNativeAttnBackend(AttentionBackend):
     def _decode_rows(
         self, q: torch.Tensor, layer: RadixAttention, batch: ForwardBatch, rows: _Rows
     ) -> torch.Tensor:
-        """Attention of one query token per row: q `[n, H, D]` -> `[n, H, D]`."""
+        """Attention of one query token per row: q `[n, H, D]` -> `[n, H, Dv]`."""
         n, num_kv, d = q.shape[0], layer.num_kv_heads, layer.head_dim
-        shape = (n, rows.max_len, num_kv, d)
+        shape = (n, rows.max_len, num_kv, -1)
         pool = batch.kv_pool
         keys = pool.k_buffer[layer.layer_id].index_select(0, rows.kv_slots).view(shape)
-        values = pool.v_buffer[layer.layer_id].index_select(0, rows.kv_slots).view(shape)
+        if pool.values_in_keys:  # MLA: the values are the keys' first v_head_dim dims
+            values = keys[..., : layer.v_head_dim]
+        else:
+            values = pool.v_buffer[layer.layer_id].index_select(0, rows.kv_slots).view(shape)
         q = q.reshape(n, num_kv, layer.num_heads // num_kv, d)
         out = attend_rows(q, keys.transpose(1, 2), values.transpose(1, 2), layer, rows.mask)
-        return out.reshape(n, layer.num_heads, d)
+        return out.reshape(n, layer.num_heads, layer.v_head_dim)
 
     def forward_decode(
         self,
@@ -192,7 +195,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         batch: ForwardBatch,
     ) -> torch.Tensor:
         meta = self._meta(layer)
-        out = torch.empty_like(q)
+        out = q.new_empty((*q.shape[:-1], layer.v_head_dim))
         for seg in meta.segments:
             out[seg.start : seg.start + seg.length] = self._attend_segment(
                 q, k, v, layer, batch, seg
@@ -211,7 +214,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         batch: ForwardBatch,
         seg: _Segment,
     ) -> torch.Tensor:
-        """Attention of one segment's queries: `[seg.length, H, D]`."""
+        """Attention of one segment's queries: `[seg.length, H, Dv]`."""
         end = seg.start + seg.length
         keys, values = k[seg.new_start : end], v[seg.new_start : end]
         if seg.kv_slots is not None:

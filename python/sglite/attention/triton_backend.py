@@ -10,6 +10,8 @@ no host sync (lengths come from the batch's `*_cpu` mirrors):
 
 Every layer then stores its K/V with the `store_kv` kernel (`save_kv`) and runs one kernel:
 split-KV decode, or extend (prefix through the slot list, new tokens from this step's k/v).
+MLA's latent pool (`pool.values_in_keys`): rows stored with `set_kv`, decode through
+`mla_decode_attention` (its extend is torch's, sglite.layers.latent_attention).
 Slot-level indices work for any page size. The per-layer variations go to the kernels as
 arguments: a layer's sliding window makes the kernels start each row at its window (the
 slot lists still cover every position, so all layers share them); only the decode split
@@ -38,6 +40,7 @@ from sglite_kernels import (
     extend_attention,
     fill_kv_indices,
     interpreted,
+    mla_decode_attention,
     num_kv_splits,
     store_kv,
 )
@@ -70,7 +73,7 @@ class _GraphBuffers:
     kv_indptr: torch.Tensor  # [max_bs + 1] int32, entry 0 stays 0
     kv_indices: torch.Tensor  # [max_bs * max_context_len] int32
     num_kv_splits: dict[int | None, torch.Tensor]  # window -> [max_bs] int32
-    mid_o: torch.Tensor  # [max_bs, num_heads, MAX_KV_SPLITS, head_dim] float32
+    mid_o: torch.Tensor  # [max_bs, num_heads, MAX_KV_SPLITS, widest v_head_dim] float32
     mid_lse: torch.Tensor  # [max_bs, num_heads, MAX_KV_SPLITS] float32
 
     @property
@@ -168,7 +171,7 @@ class TritonAttnBackend(AttentionBackend):
     supports_cuda_graph = True
 
     def init_cuda_graph_state(self, max_bs: int) -> None:
-        cfg, table = self.runner.model_config, self.runner.req_to_token_pool
+        table = self.runner.req_to_token_pool
         device = self.runner.kv_pool.device
         split_shape = (max_bs, self.runner.num_local_heads, MAX_KV_SPLITS)
         self._graph = _GraphBuffers(
@@ -179,7 +182,9 @@ class TritonAttnBackend(AttentionBackend):
             num_kv_splits={
                 w: torch.ones(max_bs, dtype=torch.int32, device=device) for w in self._windows()
             },
-            mid_o=torch.zeros((*split_shape, cfg.head_dim), dtype=torch.float32, device=device),
+            mid_o=torch.zeros(
+                (*split_shape, self._widest_value()), dtype=torch.float32, device=device
+            ),
             mid_lse=torch.zeros(split_shape, dtype=torch.float32, device=device),
         )
 
@@ -212,6 +217,13 @@ class TritonAttnBackend(AttentionBackend):
             buf[:num_real].copy_(self._splits(batch, seq_lens[:num_real], window))
             buf[num_real:bs].fill_(1)
 
+    def _widest_value(self) -> int:
+        """The widest value head of the model's layers (the split scratch's last dim)."""
+        model = getattr(self.runner, "model", None)
+        layers = model.modules() if model is not None else ()
+        dims = [m.v_head_dim for m in layers if isinstance(m, RadixAttention)]
+        return max(dims, default=self.runner.model_config.head_dim)
+
     def _windows(self) -> set[int | None]:
         """The sliding windows of the model's layers (None: full attention), for the graphs."""
         model = getattr(self.runner, "model", None)
@@ -223,6 +235,9 @@ class TritonAttnBackend(AttentionBackend):
         self, layer: RadixAttention, batch: ForwardBatch, k: torch.Tensor, v: torch.Tensor
     ) -> None:
         pool = batch.kv_pool
+        if pool.values_in_keys:  # MLA's latent rows: one buffer, the values inside the keys
+            pool.set_kv(layer.layer_id, batch.out_cache_loc, k, v)
+            return
         store_kv(
             k.to(pool.dtype),
             v.to(pool.dtype),
@@ -241,11 +256,19 @@ class TritonAttnBackend(AttentionBackend):
     ) -> torch.Tensor:
         meta, pool = self._meta, batch.kv_pool
         q_kv = q.to(pool.dtype)
-        if meta.mid_o is None:
+        dv = layer.v_head_dim
+        if meta.mid_o is None or meta.mid_o.shape[-1] < dv:
             shape = (q.shape[0], q.shape[1], MAX_KV_SPLITS)
-            meta.mid_o = torch.empty((*shape, q.shape[2]), dtype=torch.float32, device=q.device)
+            meta.mid_o = torch.empty((*shape, dv), dtype=torch.float32, device=q.device)
             meta.mid_lse = torch.empty(shape, dtype=torch.float32, device=q.device)
-        out = torch.empty_like(q_kv)
+        out = q_kv.new_empty((*q.shape[:2], dv))
+        if pool.values_in_keys:  # MLA's absorbed decode
+            mla_decode_attention(
+                q_kv, pool.k_buffer[layer.layer_id], out, meta.kv_indptr, meta.kv_indices,
+                self._splits_for(layer.sliding_window), MAX_KV_SPLITS, layer.scaling,
+                meta.mid_o[..., :dv], meta.mid_lse,
+            )  # fmt: skip
+            return out.to(q.dtype)
         decode_attention(
             q_kv,
             pool.k_buffer[layer.layer_id],
@@ -256,7 +279,7 @@ class TritonAttnBackend(AttentionBackend):
             self._splits_for(layer.sliding_window),
             MAX_KV_SPLITS,
             layer.scaling,
-            meta.mid_o,
+            meta.mid_o[..., :dv],
             meta.mid_lse,
             **_variant(layer),
         )

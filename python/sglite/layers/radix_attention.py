@@ -15,6 +15,10 @@ something else):
   the layer keeps a reference to it, not a registration, so it is neither loaded nor moved
   twice.
 
+Values may be narrower than keys (`v_head_dim`, default `head_dim`): MLA's absorbed form
+(sglite.layers.latent_attention) attends with keys `[c_kv | k_pe]` and values `c_kv`, the
+first `v_head_dim` dims of each key row.
+
 The KV pool and the backend come with the batch.
 """
 
@@ -42,6 +46,7 @@ class RadixAttention(nn.Module):
         sliding_window: int | None = None,
         logit_cap: float = 0.0,
         sinks: torch.Tensor | None = None,
+        v_head_dim: int | None = None,
     ) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
@@ -69,6 +74,12 @@ class RadixAttention(nn.Module):
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
+        self.v_head_dim = head_dim if v_head_dim is None else int(v_head_dim)
+        if not 0 < self.v_head_dim <= head_dim:
+            raise ValueError(
+                f"layer {layer_id}: v_head_dim must be in 1..head_dim ({head_dim}), "
+                f"got {v_head_dim!r}"
+            )
         self.scaling = scaling
         self.layer_id = layer_id
         self.sliding_window = int(sliding_window) if sliding_window is not None else None
@@ -78,6 +89,8 @@ class RadixAttention(nn.Module):
 
     def extra_repr(self) -> str:
         extras = [f"heads={self.num_heads}/{self.num_kv_heads}", f"head_dim={self.head_dim}"]
+        if self.v_head_dim != self.head_dim:
+            extras.append(f"v_head_dim={self.v_head_dim}")
         if self.sliding_window is not None:
             extras.append(f"sliding_window={self.sliding_window}")
         if self.logit_cap:
@@ -89,12 +102,13 @@ class RadixAttention(nn.Module):
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch
     ) -> torch.Tensor:
-        """q `[T, Hq, D]` (or `[T, Hq*D]`), k/v `[T, Hkv, D]`; returns `[T, Hq*D]`."""
+        """q `[T, Hq, D]` (or `[T, Hq*D]`), k `[T, Hkv, D]`, v `[T, Hkv, Dv]`; returns
+        `[T, Hq*Dv]`."""
         num_tokens = q.shape[0]
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.v_head_dim)
         backend = batch.attn_backend
         backend.save_kv(self, batch, k, v)
         out = backend.forward(q, k, v, self, batch)
-        return out.reshape(num_tokens, self.num_heads * self.head_dim)
+        return out.reshape(num_tokens, self.num_heads * self.v_head_dim)

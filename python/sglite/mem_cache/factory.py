@@ -42,10 +42,7 @@ def mem_available_bytes() -> int:
 def host_pool_slots(args: ServerArgs, kv_pool: KVPool) -> int:
     ps = kv_pool.page_size
     if args.hicache_size > 0:
-        per_slot = KVPool.bytes_per_slot(
-            kv_pool.num_layers, kv_pool.num_kv_heads, kv_pool.head_dim, kv_pool.dtype
-        )
-        slots = int(args.hicache_size * 1e9) // per_slot - ps
+        slots = int(args.hicache_size * 1e9) // kv_pool.bytes_per_token - ps
     else:
         slots = int(kv_pool.num_slots * args.hicache_ratio)
     return max(slots // ps * ps, 0)

@@ -8,9 +8,11 @@ of a token sequence is keyed by a hash chain:
 
 (hex digests; the namespace is the request's extra_key), so equal pages under different
 prefixes, namespaces or models never share a key. One file per page, `<dir>/<h[:2]>/<h>.kv`,
-holds that page's K and V for every layer (`torch.save` of a header and two tensors
-`[layers, page_len, kv_heads, head_dim]`); the header (format, fingerprint, dtype, shape)
-is checked on every read, so a server with another model or layout never reads wrong data.
+holds that page's rows of every buffer of the KV pool (`torch.save` of a header and one
+tensor `[page_len, ...]` per buffer, in the pool's `buffers` order: for MHA each layer's K,
+then each layer's V; for MLA each layer's latent row); the header (format, fingerprint,
+each tensor's dtype and shape) is checked on every read, so a server with another model or
+layout never reads wrong data.
 
 Writes run on one background thread behind a bounded queue: `put` never blocks the
 scheduler (a full queue drops the page and counts it). A file appears atomically (written
@@ -37,7 +39,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-FORMAT = "sglite-kv-page-1"
+FORMAT = "sglite-kv-page-2"
 MIN_STORAGE_PAGE_TOKENS = 64
 WRITE_QUEUE_PAGES = 256
 MAX_LOGGED_BAD_PAGES = 8
@@ -108,13 +110,13 @@ class FileStorage:
         return False
 
     # ---------------------------------------------------------------- writes
-    def put(self, h: str, k: torch.Tensor, v: torch.Tensor) -> bool:
-        """Queue one page (`k`, `v`: `[layers, page_len, kv_heads, head_dim]`, CPU copies the
-        caller no longer touches); False when the queue is full (the page is dropped)."""
+    def put(self, h: str, page: list[torch.Tensor]) -> bool:
+        """Queue one page (one `[page_len, ...]` tensor per pool buffer, CPU copies the caller
+        no longer touches); False when the queue is full (the page is dropped)."""
         if self.contains(h):
             return True
         try:
-            self._queue.put_nowait((h, k, v))
+            self._queue.put_nowait((h, page))
         except queue.Full:
             self.num_dropped_pages += 1
             return False
@@ -134,18 +136,17 @@ class FileStorage:
             finally:
                 self._queue.task_done()
 
-    def _write(self, h: str, k: torch.Tensor, v: torch.Tensor) -> None:
+    def _write(self, h: str, page: list[torch.Tensor]) -> None:
         path = self.path(h)
         path.parent.mkdir(exist_ok=True)
         tmp = path.with_suffix(f".tmp{os.getpid()}.{threading.get_ident()}")
         header = {
             "format": FORMAT,
             "fingerprint": self.fingerprint,
-            "dtype": str(k.dtype),
-            "shape": list(k.shape),
+            "specs": [[str(t.dtype), list(t.shape)] for t in page],
         }
         try:
-            torch.save({"header": header, "k": k.contiguous(), "v": v.contiguous()}, tmp)
+            torch.save({"header": header, "buffers": [t.contiguous() for t in page]}, tmp)
             os.replace(tmp, path)
         except BaseException:
             tmp.unlink(missing_ok=True)  # no half-written file left behind
@@ -171,9 +172,10 @@ class FileStorage:
         self._thread.join(timeout=30)
 
     # ---------------------------------------------------------------- reads
-    def get(self, h: str, dtype: torch.dtype, shape: tuple[int, ...]):
-        """(k, v) of page `h`, or None when it is missing or does not load as a page of this
-        server (then its file is removed: it would fail again)."""
+    def get(self, h: str, specs: list[tuple[torch.dtype, tuple[int, ...]]]):
+        """The tensors of page `h` (one per pool buffer, `specs` their dtypes and shapes), or
+        None when it is missing or does not load as a page of this server (then its file is
+        removed: it would fail again)."""
         path = self.path(h)
         try:
             data = torch.load(path, map_location="cpu", weights_only=True)
@@ -186,23 +188,25 @@ class FileStorage:
         if not isinstance(data, dict):
             self._drop_bad(h, f"holds a {type(data).__name__}, not a page")
             return None
-        header, k, v = data.get("header") or {}, data.get("k"), data.get("v")
+        header, page = data.get("header") or {}, data.get("buffers")
+        want = [[str(dtype), list(shape)] for dtype, shape in specs]
         ok = (
             isinstance(header, dict)
             and header.get("format") == FORMAT
             and header.get("fingerprint") == self.fingerprint
-            and header.get("dtype") == str(dtype)
-            and tuple(header.get("shape", ())) == tuple(shape)
-            and isinstance(k, torch.Tensor)
-            and isinstance(v, torch.Tensor)
-            and tuple(k.shape) == tuple(shape) == tuple(v.shape)
-            and k.dtype == dtype == v.dtype
+            and header.get("specs") == want
+            and isinstance(page, list)
+            and len(page) == len(specs)
+            and all(
+                isinstance(t, torch.Tensor) and t.dtype == dtype and tuple(t.shape) == tuple(shape)
+                for t, (dtype, shape) in zip(page, specs)
+            )
         )
         if not ok:
             self._drop_bad(h, "its header or tensors do not match this server's layout")
             return None
         self.num_read_pages += 1
-        return k, v
+        return page
 
     def _drop_bad(self, h: str, why: str) -> None:
         self.num_bad_pages += 1

@@ -162,10 +162,10 @@ class HiCache(NullTier):
             return
         pages = []
         for h in hashes[first : first + num_pages]:
-            kv = st.get(h, self.host_pool.dtype, self._page_shape())
-            if kv is None:
+            page = st.get(h, self._page_specs())
+            if page is None:
                 break
-            pages.append(kv)
+            pages.append(page)
         end = min((first + len(pages)) * sp, limit)
         n = end - req.match_len
         if n < max(LOAD_BACK_MIN_TOKENS, ps):
@@ -174,13 +174,11 @@ class HiCache(NullTier):
         slots = cm.allocator.alloc(n)
         if slots is None:
             return
-        k = torch.cat([p[0] for p in pages], dim=1)[:, req.match_len - first * sp :][:, :n]
-        v = torch.cat([p[1] for p in pages], dim=1)[:, req.match_len - first * sp :][:, :n]
-        dev = cm.kv_pool
+        dev, skip = cm.kv_pool, req.match_len - first * sp
         idx = torch.as_tensor(slots, dtype=torch.int64).to(dev.device)
-        for layer in range(dev.num_layers):
-            dev.k_buffer[layer].index_copy_(0, idx, k[layer].to(dev.device))
-            dev.v_buffer[layer].index_copy_(0, idx, v[layer].to(dev.device))
+        for i, buf in enumerate(dev.buffers):  # the pool's buffers, in the pages' order
+            rows = torch.cat([p[i] for p in pages])[skip : skip + n]
+            buf.index_copy_(0, idx, rows.to(dev.device))
         prefix = req.match_slots if req.match_len else np.empty(0, np.int64)
         key = req.fill_slice(0, end)
         all_slots = np.concatenate([np.asarray(prefix, np.int64), slots.astype(np.int64)])
@@ -195,9 +193,10 @@ class HiCache(NullTier):
         self.num_storage_load_tokens += n
         req.loaded_storage_len += n
 
-    def _page_shape(self) -> tuple[int, ...]:
-        dev = self.cache.kv_pool
-        return (dev.num_layers, self.storage.page_len, dev.num_kv_heads, dev.head_dim)
+    def _page_specs(self) -> list[tuple[torch.dtype, tuple[int, ...]]]:
+        """dtype and shape of each tensor of a storage page: a page of each pool buffer."""
+        sp = self.storage.page_len
+        return [(b.dtype, (sp, *b.shape[1:])) for b in self.cache.kv_pool.buffers]
 
     def _hashes(self, req: Req, end: int) -> list[str]:
         sp = self.storage.page_len
@@ -224,9 +223,7 @@ class HiCache(NullTier):
             if st.contains(h):
                 continue
             idx = torch.as_tensor(row[i * sp : (i + 1) * sp].astype(np.int64)).to(dev.device)
-            k = torch.stack([b.index_select(0, idx) for b in dev.k_buffer]).cpu()
-            v = torch.stack([b.index_select(0, idx) for b in dev.v_buffer]).cpu()
-            if not st.put(h, k, v):
+            if not st.put(h, [b.index_select(0, idx).cpu() for b in dev.buffers]):
                 break
 
     def evict(self, num_tokens: int) -> np.ndarray:
@@ -272,8 +269,5 @@ class HiCache(NullTier):
 
 def model_fingerprint(model_id: str, kv_pool) -> str:
     """What must be equal for two servers to share stored KV pages."""
-    text = (
-        f"{model_id}|layers={kv_pool.num_layers}|kv_heads={kv_pool.num_kv_heads}|"
-        f"head_dim={kv_pool.head_dim}|dtype={kv_pool.dtype}"
-    )
+    text = f"{model_id}|{kv_pool.layout.key(kv_pool.dtype)}"
     return hashlib.sha256(text.encode()).hexdigest()

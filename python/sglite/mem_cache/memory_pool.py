@@ -7,11 +7,28 @@ allocation done here (a free list of request rows).
 Reserved index 0 everywhere: row 0 of `req_to_token` and slot 0 / page 0 of the K/V buffers
 are padding targets (padded batch rows point at row 0, padded tokens write to slot 0), so
 the allocator hands out slots 1.. and the buffers have `num_slots + page_size` rows.
+
+The KV pool interface (what the backends, the radix cache, HiCache's host and file tiers
+use; `KVPool` here, `MLAKVPool` in mla_pool.py):
+- `k_buffer[layer]` `[rows, num_kv_heads, head_dim]` and `v_buffer[layer]` `[rows,
+  num_kv_heads, v_head_dim]`: what attention reads. They may share storage (MLA: the value
+  is the first `v_head_dim` dims of the key row, `v_buffer` a view of `k_buffer`).
+- `set_kv(layer, loc, k, v)`: store this step's rows at slots `loc`.
+- `buffers`: every tensor that holds the cache, each indexed by slot along dim 0, with no
+  tensor listed twice. Whatever moves KV between tiers copies exactly these (row r of every
+  buffer is slot r's KV) and nothing else, so a new layout needs no change there.
+- `layout`: the frozen description the pool was built from (`bytes_per_token`, `describe`,
+  `key`: what must be equal for two servers to share stored pages); `like(num_slots,
+  device)` builds an empty pool of the same layout (the host tier's).
+
+A model declares its layout (`kv_layout()`, see sglite.models.causal_lm); the runner sizes
+and builds the pool from it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -82,11 +99,48 @@ class ReqToTokenPool:
         self._is_free[1:] = True
 
 
+@dataclass(frozen=True)
+class MHALayout:
+    """Per-head K and V of every layer (MHA, GQA, MQA): the KVPool's layout."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+    def bytes_per_token(self, dtype: torch.dtype) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype.itemsize
+
+    def describe(self, dtype: torch.dtype) -> str:
+        return f"K and V of {self.num_kv_heads} KV heads x {self.head_dim} dims"
+
+    def key(self, dtype: torch.dtype) -> str:
+        return (
+            f"layers={self.num_layers}|kv_heads={self.num_kv_heads}|head_dim={self.head_dim}|"
+            f"dtype={dtype}"
+        )
+
+    def build(
+        self,
+        num_slots: int,
+        page_size: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        pin_memory: bool = False,
+    ) -> KVPool:
+        return KVPool(
+            num_slots, page_size, self.num_layers, self.num_kv_heads, self.head_dim, dtype,
+            device, pin_memory=pin_memory,
+        )  # fmt: skip
+
+
 class KVPool:
     """Per-layer K and V buffers `[num_slots + page_size, num_kv_heads, head_dim]` (NHD).
 
     Slot `s` of page `p` is row `p * page_size + s % page_size`; page 0 is never handed out.
     """
+
+    # the value rows are separate tensors (MLA's are views of the key rows)
+    values_in_keys = False
 
     def __init__(
         self,
@@ -117,6 +171,20 @@ class KVPool:
 
         self.k_buffer = [buf() for _ in range(num_layers)]
         self.v_buffer = [buf() for _ in range(num_layers)]
+        self.layout = MHALayout(num_layers, num_kv_heads, head_dim)
+
+    @property
+    def buffers(self) -> list[torch.Tensor]:
+        """Every tensor of the cache, indexed by slot (see the module docstring)."""
+        return self.k_buffer + self.v_buffer
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.layout.bytes_per_token(self.dtype)
+
+    def like(self, num_slots: int, device: torch.device | str, pin_memory: bool = False):
+        """An empty pool of this layout, page size and dtype with `num_slots` slots."""
+        return self.layout.build(num_slots, self.page_size, self.dtype, device, pin_memory)
 
     @staticmethod
     def bytes_per_slot(
@@ -130,7 +198,7 @@ class KVPool:
         self.v_buffer[layer_id].index_copy_(0, loc, v.to(self.dtype))
 
     def memory_bytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self.k_buffer + self.v_buffer)
+        return sum(b.numel() * b.element_size() for b in self.buffers)
 
 
 def kv_slots_for_budget(budget_bytes: int, bytes_per_slot: int, page_size: int) -> int:

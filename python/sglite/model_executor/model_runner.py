@@ -1,11 +1,13 @@
 """ModelRunner: owns the model, the KV memory and the attention backend; runs forward and sample.
 
 Start-up, in order: pick device and dtype, read the config, load the weights (packed for
-oneDNN on CPU), size the KV pool (`max_total_tokens`, or on CUDA `mem_fraction_static` of
-the GPU memory), create the tree core's `PageAllocator` over those slots, the
-`ReqToTokenPool`, and the attention backend; on CUDA, last, capture the decode CUDA graphs
-(`cuda_graph_runner.py`; `disable_cuda_graph`, `cuda_graph_max_bs`, default
-min(160, max_running_requests)). On CPU there are no graphs (`NoCudaGraphs`).
+oneDNN on CPU), size the KV pool from the model's `kv_layout()` (per-head K/V, or MLA's
+latent rows; the log line gives its bytes per token, for MLA next to what MHA would need)
+to `max_total_tokens`, or on CUDA `mem_fraction_static` of the GPU memory, create the tree
+core's `PageAllocator` over those slots, the `ReqToTokenPool`, and the attention backend; on
+CUDA, last, capture the decode CUDA graphs (`cuda_graph_runner.py`; `disable_cuda_graph`,
+`cuda_graph_max_bs`, default min(160, max_running_requests)). On CPU there are no graphs
+(`NoCudaGraphs`).
 
 Per step the caller (the scheduler, or a test) allocates slots with `runner.allocator`,
 writes the request rows of `runner.req_to_token_pool`, builds a `ForwardBatch`
@@ -17,7 +19,8 @@ Tensor parallelism (`tp_size` > 1, one ModelRunner per rank, each in its own pro
 running the same batches): the runner first checks that tp_size splits the model (else a
 ValueError naming the sizes that do), joins the TP group at `dist_init_addr` (rank 0
 listens there; `dist_timeout` seconds to rendezvous), loads its shard of the weights and
-builds a KV pool of its own KV heads, sized to the smallest budget of any rank. CUDA decode
+builds a KV pool of its own KV heads (MLA's latent pool: the same on every rank), sized to
+the smallest budget of any rank. CUDA decode
 graphs are off under TP for now. Every rank's forward returns the same full logits.
 Sampling: rank 0 samples and broadcasts its tokens, so every rank returns rank 0's tokens
 (even for unseeded requests, which draw from torch's RNG, whose state may differ by rank).
@@ -38,7 +41,7 @@ from sglite.distributed import (
     init_tp_group,
     local_head_counts,
 )
-from sglite.mem_cache.memory_pool import KVPool, ReqToTokenPool, kv_slots_for_budget
+from sglite.mem_cache.memory_pool import ReqToTokenPool, kv_slots_for_budget
 from sglite.model_executor.cuda_graph_runner import (
     CudaGraphRunner,
     NoCudaGraphs,
@@ -191,8 +194,8 @@ class ModelRunner:
         import sglite.core
 
         cfg, ps = self.model_config, self.page_size
-        kv_heads = self.num_local_kv_heads
-        per_slot = KVPool.bytes_per_slot(cfg.num_layers, kv_heads, cfg.head_dim, self.dtype)
+        layout = self.model.kv_layout()  # per-head K/V (this rank's heads) or MLA's latent
+        per_slot = layout.bytes_per_token(self.dtype)
         if max_total_tokens is not None:
             num_slots = max_total_tokens // ps * ps
         elif self.device.type == "cuda":
@@ -223,21 +226,17 @@ class ModelRunner:
             raise ValueError(f"max_running_requests must be >= 1, got {max_running_requests}")
         self.max_running_requests = max_running_requests or min(4096, max(16, num_slots // 32))
         logger.info("building the KV pool: %d tokens", num_slots)
-        self.kv_pool = KVPool(
-            num_slots, ps, cfg.num_layers, kv_heads, cfg.head_dim, self.dtype, self.device
-        )
+        self.kv_pool = layout.build(num_slots, ps, self.dtype, self.device)
         self.req_to_token_pool = ReqToTokenPool(
             self.max_running_requests, cfg.context_length, self.device
         )
         core = sglite.core.load(tree_core, page_size=ps)
         self.allocator = core.PageAllocator(num_slots, ps)
         logger.info(
-            "KV pool: %d slots (%.2f GiB, page size %d), %d request rows",
-            num_slots,
-            self.kv_pool.memory_bytes() / (1 << 30),
-            ps,
-            self.max_running_requests,
-        )
+            "KV pool: %d tokens, %s B/token (%s), %.2f GiB, page size %d, %d request rows",
+            num_slots, f"{per_slot:,}", layout.describe(self.dtype),
+            self.kv_pool.memory_bytes() / (1 << 30), ps, self.max_running_requests,
+        )  # fmt: skip
 
     def _init_cuda_graphs(
         self, disable: bool, max_bs: int | None

@@ -11,6 +11,11 @@ filled and every checkpoint tensor placed, else loading fails naming them.
 
 Checked at construction, before any weight is read: the spec (activation, layout), the RoPE
 type and whether this family rotates part of a head (`partial_rotary_factor`).
+
+Hooks a family may override: `mlp_for_layer(b, layer_id)` (each layer's MLP: dense, or another
+kind for some layers) and, through the spec, the attention (`spec.mla`: latent attention,
+sglite.models.decoder_mla). `kv_layout()` tells the runner what the KV pool stores per token
+(sglite.mem_cache.memory_pool: per-head K/V, or MLA's latent rows).
 """
 
 from __future__ import annotations
@@ -25,10 +30,14 @@ from torch import nn
 from sglite.distributed import NULL_TP_GROUP, TPGroup
 from sglite.layers.linear import loader_of
 from sglite.layers.logits_processor import LogitsProcessor
+from sglite.layers.moe.block import SparseMoeBlock
 from sglite.layers.rope_scaling import check_rope_type
 from sglite.layers.vocab_parallel_embedding import ParallelLMHead
+from sglite.mem_cache.memory_pool import MHALayout
+from sglite.mem_cache.mla_pool import MLALayout
 from sglite.model_executor.forward_batch import ForwardBatch
-from sglite.models.decoder import Build, DecoderModel
+from sglite.models.decoder import Build, DecoderAttention, DecoderModel, dense_mlp
+from sglite.models.decoder_mla import DecoderMLAttention
 from sglite.models.decoder_spec import ConfigFields, DecoderSpec
 from sglite.models.model_config import ModelConfig
 
@@ -87,7 +96,9 @@ class DecoderForCausalLM(nn.Module):
         spec = self.decoder_spec(ConfigFields(config))
         _check(config, spec)
         self.config, self.spec = config, spec
-        self.model = DecoderModel(Build(config, spec, dtype, device, tp_group, packed))
+        attention_cls = DecoderAttention if spec.mla is None else DecoderMLAttention
+        build = Build(config, spec, dtype, device, tp_group, packed)
+        self.model = DecoderModel(build, attention_cls, self.mlp_for_layer)
         head_cls = ParallelLMHead
         if packed:
             from sglite.layers.quant_embedding import QuantParallelLMHead as head_cls
@@ -102,7 +113,39 @@ class DecoderForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.tie_to(self.model.embed_tokens)
         self.logits_processor = LogitsProcessor(spec.logit_scale, spec.final_logit_softcap)
-        self.stacked = STACKED_QKV + (STACKED_GATE_UP if spec.gated_mlp else ())
+        qkv = STACKED_QKV if spec.mla is None else ()  # MLA's q_proj is a plain projection
+        self.stacked = qkv + (STACKED_GATE_UP if spec.gated_mlp else ())
+
+    @classmethod
+    def packed_unsupported(cls, config: ModelConfig) -> str | None:
+        """Why this model cannot hold GGUF blocks packed (`packed=True`), or None."""
+        spec = cls.decoder_spec(ConfigFields(config))
+        if spec.moe is not None:
+            return "its mixture-of-experts layers have no packed form"
+        if spec.mla is not None:
+            return "its latent attention (MLA) has no packed form"
+        if cls.mlp_for_layer is not DecoderForCausalLM.mlp_for_layer:
+            return "its MLP layers have no packed form"
+        return None
+
+    def mlp_for_layer(self, b: Build, layer_id: int) -> nn.Module:
+        """Layer `layer_id`'s MLP: the MoE block on a sparse layer of a spec with `moe`
+        (sglite.layers.moe), else dense (unless a family says otherwise)."""
+        moe = b.spec.moe
+        if moe is not None and moe.is_sparse(layer_id):
+            return SparseMoeBlock(moe, b.config.hidden_size, **b.kw)
+        return dense_mlp(b, layer_id)
+
+    def kv_layout(self) -> MHALayout | MLALayout:
+        """What the KV pool stores per token for this model (this rank's share)."""
+        cfg, mla = self.config, self.spec.mla
+        if mla is not None:
+            return MLALayout(
+                cfg.num_layers, mla.kv_lora_rank, mla.qk_rope_head_dim, cfg.num_heads,
+                mla.qk_head_dim, mla.v_head_dim,
+            )  # fmt: skip
+        attn = self.model.layers[0].self_attn
+        return MHALayout(cfg.num_layers, attn.num_kv_heads, attn.head_dim)
 
     @torch.no_grad()
     def forward(

@@ -9,11 +9,14 @@ layout allows it: a layer takes and returns `(x, residual)`, the stream being `x
 Parameter names (our side of the checkpoint mapping, see sglite.models.causal_lm):
 `model.embed_tokens`, `model.layers.<i>.{input_layernorm, post_attention_layernorm (the MLP's
 input), post_self_attn_layernorm, post_mlp_layernorm (the outputs' norms), self_attn.{qkv_proj,
-o_proj, q_norm, k_norm}, mlp.{gate_up_proj or up_proj, down_proj}}`, `model.norm`, `lm_head`.
+o_proj, q_norm, k_norm, sinks}, mlp.{gate_up_proj or up_proj, down_proj}}`, `model.norm`, `lm_head`;
+a MoE family's sparse layers hold `mlp` = sglite.layers.moe.block.SparseMoeBlock instead
+(DecoderForCausalLM.mlp_for_layer).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -109,6 +112,12 @@ class DecoderAttention(nn.Module):
         self.rotary_emb = rotary_emb
         self.clip_qkv, self.out_scale = spec.clip_qkv, spec.residual_scale
         scaling = spec.attn_scale if spec.attn_scale is not None else d**-0.5
+        self.sinks = None
+        if spec.attn_sinks:  # [H] in the checkpoint; this rank keeps its query heads' share
+            self.sinks = nn.Parameter(
+                torch.empty(self.num_heads, dtype=b.dtype, device=b.device), requires_grad=False
+            )
+            self.sinks.weight_loader = self._load_sinks
         self.attn = RadixAttention(
             self.num_heads,
             d,
@@ -117,7 +126,17 @@ class DecoderAttention(nn.Module):
             layer_id,
             sliding_window=config.sliding_window_for(layer_id),
             logit_cap=spec.attn_logit_cap,
+            sinks=self.sinks,
         )
+
+    def _load_sinks(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        n = self.num_heads
+        if loaded.dim() != 1 or loaded.shape[0] != n * self.qkv_proj.tp_size:
+            raise ValueError(
+                f"self_attn.sinks: checkpoint tensor has shape {tuple(loaded.shape)}, the model "
+                f"expects ({n * self.qkv_proj.tp_size},) (one logit per query head)"
+            )
+        param.data.copy_(loaded.narrow(0, self.qkv_proj.tp_rank * n, n))
 
     def forward(self, rope: Rope | None, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         num_tokens = x.shape[0]
@@ -177,7 +196,7 @@ _LAYOUT_NORMS = {
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, b: Build, attn: DecoderAttention, mlp: DecoderMLP) -> None:
+    def __init__(self, b: Build, attn: nn.Module, mlp: nn.Module) -> None:
         super().__init__()
         self.self_attn, self.mlp = attn, mlp
         for name in _LAYOUT_NORMS[b.spec.layout]:
@@ -221,12 +240,24 @@ class DecoderLayer(nn.Module):
         return attn + self.mlp(self.post_attention_layernorm(h)), h
 
 
+def dense_mlp(b: Build, layer_id: int) -> nn.Module:
+    """Every layer's MLP of a dense family (the default `mlp_for_layer`)."""
+    return DecoderMLP(b)
+
+
 class DecoderModel(nn.Module):
-    def __init__(self, b: Build) -> None:
+    def __init__(
+        self,
+        b: Build,
+        attention_cls: type[nn.Module] = DecoderAttention,
+        mlp_for_layer: Callable[[Build, int], nn.Module] = dense_mlp,
+    ) -> None:
+        """`attention_cls(b, layer_id, rotary_emb, head_permutation)` builds each layer's
+        attention; `mlp_for_layer(b, layer_id)` its MLP (a family may mix kinds)."""
         super().__init__()
         config, spec = b.config, b.spec
         self.embed_tokens = b.embedding()
-        d = config.head_dim
+        d = spec.mla.qk_rope_head_dim if spec.mla is not None else config.head_dim
         rotary_dim = int(d * spec.rotary_factor)
         perm = rotary_permutation(d, rotary_dim, spec.rope_interleaved)
         rotates = spec.rope_layers or (True,) * config.num_layers
@@ -255,8 +286,8 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(
             DecoderLayer(
                 b,
-                DecoderAttention(b, i, None if j is None else self.rotary_embs[j], perm),
-                DecoderMLP(b),
+                attention_cls(b, i, None if j is None else self.rotary_embs[j], perm),
+                mlp_for_layer(b, i),
             )
             for i, j in enumerate(self.rope_idx)
         )

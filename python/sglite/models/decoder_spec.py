@@ -25,7 +25,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from sglite.layers.activation import check_activation
+from sglite.layers.latent_attention import MLASpec
 from sglite.layers.layernorm import NormSpec
+from sglite.layers.moe.block import MoESpec
 from sglite.layers.qk_norm import QKNormSpec
 
 LAYOUTS = ("pre", "sandwich", "post", "parallel", "parallel2")
@@ -49,10 +51,15 @@ class DecoderSpec:
     residual_scale: float = 1.0  # Granite: each branch's output times this
     attn_scale: float | None = None  # softmax scale; None: head_dim ** -0.5
     attn_logit_cap: float = 0.0  # Gemma 2: scores c * tanh(s / c) before the softmax; 0: none
+    attn_sinks: bool = False  # gpt-oss: a learned logit per query head in the softmax (`sinks`)
     logit_scale: float = 1.0
     final_logit_softcap: float | None = None
     clip_qkv: float | None = None  # OLMo: q, k and v clamped to [-c, c]
     lm_head_bias: bool = False
+    moe: MoESpec | None = None  # the sparse layers' MoE block (sglite.layers.moe.block)
+    # multi-head latent attention (DeepSeek-V2/V3) instead of per-head K/V: its dims; rope
+    # then covers its qk_rope_head_dim dims (sglite.models.decoder_mla)
+    mla: MLASpec | None = None
 
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:

@@ -128,11 +128,17 @@ def load_model(
     if mode == "gguf":
         from sglite.models.causal_lm import DecoderForCausalLM
 
-        if not issubclass(model_cls, DecoderForCausalLM):
+        why = "it has no packed form"
+        if issubclass(model_cls, DecoderForCausalLM):
+            why = model_cls.packed_unsupported(config)
+        if why is not None and quantization == "gguf":
             raise ValueError(
-                f"--quantization gguf: {config.architecture} has no packed form; use "
-                "--quantization none"
+                f"--quantization gguf: {config.architecture}: {why}; use --quantization none"
             )
+        if why is not None:
+            logger.info("%s: %s; dequantizing the GGUF at load", config.architecture, why)
+            mode = "none"
+    if mode == "gguf":
         model = model_cls(config, dtype=dtype, device=device, tp_group=tp_group, packed=True)
         quant.set_kernel(model, quant_kernel)
         weights = iter_gguf_weights(source, packed=True, progress=progress)

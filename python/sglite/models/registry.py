@@ -1,6 +1,7 @@
 """Model registry: the HF `architectures` name of a checkpoint -> the sglite model class.
 
-Every class is a DecoderSpec over the shared skeleton (sglite.models.causal_lm); the README's
+Every class is a DecoderSpec over the shared skeleton (sglite.models.causal_lm), a MoE
+family's with a MoESpec (sglite.models.moe_lm); the README's
 model table lists them with what was tested.
 """
 
@@ -32,6 +33,14 @@ MODELS = {
     "GPTNeoXForCausalLM": "sglite.models.gpt_neox",
     "StableLmForCausalLM": "sglite.models.stablelm",
     "Starcoder2ForCausalLM": "sglite.models.starcoder2",
+    "DeepseekV2ForCausalLM": "sglite.models.deepseek_v2",
+    "DeepseekV3ForCausalLM": "sglite.models.deepseek_v2",
+    # mixture-of-experts (sglite.models.moe_lm)
+    "Qwen2MoeForCausalLM": "sglite.models.qwen2_moe",
+    "Qwen3MoeForCausalLM": "sglite.models.qwen3_moe",
+    "MixtralForCausalLM": "sglite.models.mixtral",
+    "OlmoeForCausalLM": "sglite.models.olmoe",
+    "GptOssForCausalLM": "sglite.models.gpt_oss",
 }
 
 

@@ -2,7 +2,8 @@
 
 - base.py: the events (Reasoning, Content, CallStart, CallArgs), the StreamParser contract,
   the Pipeline that runs reasoning first and tool calls on the answer text
-- reasoning.py: `--reasoning-parser` formats (REASONING_FORMATS)
+- reasoning.py: `--reasoning-parser` formats (REASONING_FORMATS); harmony.py: gpt-oss's
+  channels (analysis: reasoning, final: answer)
 - tool_formats.py: `--tool-call-parser` formats (TOOL_CALL_PARSERS)
 - constrained.py: tool_choice "required" / named: the JSON schemas and their parsers
 - json_call.py: the incremental reader of one call's JSON object

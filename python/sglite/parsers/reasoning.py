@@ -7,6 +7,7 @@
 | `qwen3-thinking` | Qwen3 *-Thinking-2507 | starts inside the reasoning (the template opens it) |
 | `deepseek-r1` | DeepSeek-R1 and its distills | starts inside the reasoning; `<think>` optional |
 | `deepseek-v3` | DeepSeek-V3.1/3.2 | like qwen3, toggled by `thinking` (off by default) |
+| `gpt-oss` | gpt-oss | harmony channels: `analysis` is reasoning, `final` the answer (parsers/harmony.py) |
 
 Where the output starts: inside the reasoning when the format always thinks or when the
 rendered prompt ends with the opening tag (templates that open the block for the model),
@@ -22,7 +23,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from sglite.parsers.base import BufferedParser, Content, Event, Reasoning, partial_tag_len
+from sglite.parsers.base import (
+    BufferedParser,
+    Content,
+    Event,
+    Reasoning,
+    StreamParser,
+    partial_tag_len,
+)
+from sglite.parsers.harmony import HarmonyParser
 
 THINKING_SWITCHES = ("enable_thinking", "thinking")
 
@@ -35,6 +44,9 @@ class ReasoningFormat:
     default_on: bool = True
     start: str = "<think>"
     end: str = "</think>"
+    harmony: bool = False  # gpt-oss's channels instead of a think block (parsers/harmony.py)
+    # its tags are special tokens: the chat route keeps them in the decoded text
+    needs_special_tokens: bool = False
 
     def thinking_enabled(self, template_kwargs: dict[str, Any] | None) -> bool:
         kwargs = template_kwargs or {}
@@ -49,7 +61,9 @@ class ReasoningFormat:
             return False
         return self.always_thinks or prompt.rstrip().endswith(self.start)
 
-    def parser(self, prompt: str, template_kwargs: dict[str, Any] | None) -> ReasoningParser:
+    def parser(self, prompt: str, template_kwargs: dict[str, Any] | None) -> StreamParser:
+        if self.harmony:
+            return HarmonyParser(prompt)
         return ReasoningParser(self, self.starts_in_reasoning(prompt, template_kwargs))
 
 
@@ -60,6 +74,7 @@ REASONING_FORMATS: dict[str, ReasoningFormat] = {
         ReasoningFormat("qwen3-thinking", always_thinks=True),
         ReasoningFormat("deepseek-r1", always_thinks=True),
         ReasoningFormat("deepseek-v3", toggle="thinking", default_on=False),
+        ReasoningFormat("gpt-oss", harmony=True, needs_special_tokens=True),
     )
 }
 

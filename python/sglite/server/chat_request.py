@@ -136,6 +136,10 @@ def plan_chat(
     elif choice == "required" or named is not None:
         mode = "required" if named is None else "named"
         sampling = _forced_call_sampling(tools, named, req.parallel_tool_calls)
+    reasoning = reasoning_parser if req.separate_reasoning else None
+    if reasoning and reasoning_format(reasoning).needs_special_tokens:
+        if req.skip_special_tokens is None:  # the parser reads the format's special tokens
+            sampling = {**sampling, "skip_special_tokens": False}
     return ChatPlan(
         messages=[
             _with_tool_fields(m, msg, i) for i, (m, msg) in enumerate(zip(req.messages, messages))
@@ -146,7 +150,7 @@ def plan_chat(
         tool_mode=mode,
         tool_parser=tool_call_parser if mode == "native" else None,
         named_tool=named,
-        reasoning_parser=reasoning_parser if req.separate_reasoning else None,
+        reasoning_parser=reasoning,
     )
 
 

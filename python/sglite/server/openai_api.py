@@ -142,7 +142,15 @@ def _message_dict(m: Any, i: int) -> dict[str, Any]:
                 )
             parts.append(part["text"])
         content = "".join(parts)
-    return {"role": m.role, "content": content or ""}
+    out = {"role": m.role, "content": content or ""}
+    if m.reasoning_content is not None:
+        if m.role != "assistant":
+            raise RequestError(
+                f"messages[{i}].reasoning_content: only assistant messages have reasoning",
+                param="messages",
+            )
+        out["reasoning_content"] = m.reasoning_content
+    return out
 
 
 def chat_prompts(

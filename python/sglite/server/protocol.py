@@ -170,6 +170,8 @@ class ChatMessage(_Request):
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None  # assistant: calls it made (chat_request.py)
     tool_call_id: str | None = None  # tool: the call this message answers
+    # assistant: its reasoning, for templates that render it (gpt-oss's analysis channel)
+    reasoning_content: str | None = None
 
 
 # ---------------------------------------------------------------------- tools (requests)

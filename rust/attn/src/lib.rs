@@ -1,8 +1,12 @@
 //! Paged decode attention on the CPU, reading K/V in place from sglite's KV pool.
 //!
 //! Layout contract (checked by `validate`; the Python launcher checks dtypes and contiguity):
-//! - `q` and `out`: `[n, num_heads, head_dim]`, row-major.
-//! - `k`, `v`: one layer of the pool, `[num_slots, num_kv_heads, head_dim]`, row-major.
+//! - `q`: `[n, num_heads, head_dim]`, `out`: `[n, num_heads, v_dim]`, row-major.
+//! - `k`: one layer of the pool, `[num_slots, num_kv_heads, head_dim]`, row-major; `v`:
+//!   `[num_slots, num_kv_heads, v_row]` with `v_row >= v_dim` (its rows' first `v_dim`
+//!   elements are the values). A plain pool has `v_row = v_dim = head_dim`; MLA's latent pool
+//!   passes its key rows as `v` too (`v_row = head_dim`, `v_dim = kv_lora_rank`: the values
+//!   are the first dims of each key).
 //! - `table`: the request-to-token table `[table_rows, table_width]` of i32 slot ids. Query
 //!   `i` attends to the keys at slots `table[rows[i], 0 .. seq_lens[i]]`.
 //! - GQA: query head `h` reads KV head `h / (num_heads / num_kv_heads)`.
@@ -77,6 +81,20 @@ pub struct Dims {
     pub num_heads: usize,
     pub num_kv_heads: usize,
     pub head_dim: usize,
+    /// The values' (and the output's) head width, at most `head_dim`'s row of `v`.
+    pub v_dim: usize,
+}
+
+impl Dims {
+    /// Keys and values of one width (MHA, GQA, MQA).
+    pub fn same(num_heads: usize, num_kv_heads: usize, head_dim: usize) -> Self {
+        Dims {
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            v_dim: head_dim,
+        }
+    }
 }
 
 /// One layer's decode attention, all inputs borrowed (`decode_attention` builds the plan and
@@ -132,7 +150,7 @@ pub(crate) fn err<T>(msg: String) -> Result<T, AttnError> {
 /// Below this many (key, KV head) pairs a second thread costs more than it saves.
 const MIN_PARALLEL_WORK: usize = 8192;
 
-/// Attention of one query token per row; writes `out` (`[n, num_heads, head_dim]`).
+/// Attention of one query token per row; writes `out` (`[n, num_heads, v_dim]`).
 pub fn decode_attention<T: Elem>(
     p: &Problem<'_, T>,
     out: &mut [T],
@@ -261,14 +279,14 @@ impl DecodePlan {
         &self.slots[self.starts[i]..self.starts[i + 1]]
     }
 
-    /// One layer: writes `out` (`[n, num_heads, head_dim]`) from `layer`'s q and pool.
+    /// One layer: writes `out` (`[n, num_heads, v_dim]`) from `layer`'s q and pool.
     pub fn run<T: Elem>(
         &self,
         layer: &Layer<'_, T>,
         out: &mut [T],
         num_threads: usize,
     ) -> Result<(), AttnError> {
-        self.check(layer, out.len())?;
+        let v_row = self.check(layer, out.len())?;
         let threads = if self.costs.iter().sum::<usize>() < MIN_PARALLEL_WORK {
             1
         } else {
@@ -281,16 +299,18 @@ impl DecodePlan {
             // SAFETY: `check` made sure `out` holds every row's output and every slot is in
             // the pool; each (row, KV head) is in exactly one task and each range is run
             // once, so no two threads write the same element.
-            unsafe { kernel::run_tasks(self, layer, mine, out) }
+            unsafe { kernel::run_tasks(self, layer, v_row, mine, out) }
         });
         Ok(())
     }
 
-    fn check<T>(&self, layer: &Layer<'_, T>, out_len: usize) -> Result<(), AttnError> {
+    /// Checks the layer against the plan; returns the width of `v`'s rows.
+    fn check<T>(&self, layer: &Layer<'_, T>, out_len: usize) -> Result<usize, AttnError> {
         let Dims {
             num_heads,
             num_kv_heads,
             head_dim,
+            v_dim,
         } = layer.dims;
         let Variant { logit_cap, sinks } = layer.variant;
         if !(logit_cap.is_finite() && logit_cap >= 0.0) {
@@ -316,23 +336,36 @@ impl DecodePlan {
                 self.num_kv_heads
             ));
         }
+        if v_dim == 0 || v_dim > head_dim {
+            return err(format!(
+                "v_dim {v_dim} must be in 1..={head_dim} (head_dim)"
+            ));
+        }
         let n = self.num_rows();
         let q_len = n * num_heads * head_dim;
-        if layer.q.len() != q_len || out_len != q_len {
+        let out_want = n * num_heads * v_dim;
+        if layer.q.len() != q_len || out_len != out_want {
             return err(format!(
-                "q has {} and out {out_len} elements; [{n}, {num_heads}, {head_dim}] needs {q_len}",
+                "q has {} and out {out_len} elements; [{n}, {num_heads}, {head_dim}] and \
+                 [{n}, {num_heads}, {v_dim}] need {q_len} and {out_want}",
                 layer.q.len()
             ));
         }
         let slot_len = num_kv_heads * head_dim;
-        if layer.k.len() != layer.v.len() || !layer.k.len().is_multiple_of(slot_len) {
+        let num_slots = layer.k.len() / slot_len;
+        let v_slot = layer.v.len().checked_div(num_slots).unwrap_or(0);
+        if !layer.k.len().is_multiple_of(slot_len)
+            || num_slots * v_slot != layer.v.len()
+            || !v_slot.is_multiple_of(num_kv_heads)
+            || v_slot / num_kv_heads < v_dim
+        {
             return err(format!(
-                "k has {} and v {} elements; both must be [num_slots, {num_kv_heads}, {head_dim}]",
+                "k has {} and v {} elements; k must be [num_slots, {num_kv_heads}, {head_dim}] \
+                 and v [num_slots, {num_kv_heads}, >= {v_dim}]",
                 layer.k.len(),
                 layer.v.len()
             ));
         }
-        let num_slots = layer.k.len() / slot_len;
         if let Some((slot, row)) = self.largest_slot {
             if slot as usize >= num_slots {
                 return err(format!(
@@ -340,7 +373,7 @@ impl DecodePlan {
                 ));
             }
         }
-        Ok(())
+        Ok(v_slot / num_kv_heads)
     }
 }
 

@@ -94,12 +94,13 @@ impl PyDecodePlan {
         self.inner.num_rows()
     }
 
-    /// One layer: q and out `[n, num_heads, head_dim]`, k and v `[num_slots, num_kv_heads,
-    /// head_dim]`, all "float32" or all "bfloat16" (`dtype`); `logit_cap` (0: none) and
+    /// One layer: q `[n, num_heads, head_dim]`, out `[n, num_heads, v_dim]`, k `[num_slots,
+    /// num_kv_heads, head_dim]`, v `[num_slots, num_kv_heads, >= v_dim]` (see `cpu_attn`; None:
+    /// `head_dim`), all "float32" or all "bfloat16" (`dtype`); `logit_cap` (0: none) and
     /// `sinks` (float32 `[num_heads]`, or None) as in `cpu_attn::Variant`.
     #[pyo3(signature = (
         q, k, v, out, num_heads, num_kv_heads, head_dim, scale, dtype, num_threads,
-        logit_cap=0.0, sinks=None
+        logit_cap=0.0, sinks=None, v_dim=None
     ))]
     #[allow(clippy::too_many_arguments)]
     fn run(
@@ -117,6 +118,7 @@ impl PyDecodePlan {
         num_threads: usize,
         logit_cap: f32,
         sinks: Option<(usize, usize)>,
+        v_dim: Option<usize>,
     ) -> PyResult<()> {
         let elem = match dtype {
             "float32" => 4,
@@ -134,6 +136,7 @@ impl PyDecodePlan {
             num_heads,
             num_kv_heads,
             head_dim,
+            v_dim: v_dim.unwrap_or(head_dim),
         };
         let plan = &self.inner;
         let result = py.allow_threads(|| {

@@ -14,7 +14,12 @@ as is. What llama.cpp's own HF -> GGUF conversion does, and so what is undone he
   so `TensorPlan.offset` is -1 on every `*norm.weight` of those families;
 - Phi-3 keeps transformers' fused `qkv_proj` and `gate_up_proj` (GGUF `attn_qkv`, `ffn_up`);
   its `rope_factors_long/short` tensors are config (longrope factors), not weights;
-- llama 3's `rope_freqs` (the per-frequency rope divisors) is config too (hf_config.py).
+- llama 3's `rope_freqs` (the per-frequency rope divisors) is config too (hf_config.py);
+- mixture-of-experts (qwen2moe, qwen3moe): each layer's routed experts are stacked, one
+  `[experts, rows, cols]` tensor per projection (`ffn_{gate,up,down}_exps`), split back into
+  transformers' per-expert tensors (`TensorPlan.per_expert`); the router is `ffn_gate_inp`,
+  Qwen2-MoE's shared expert `ffn_*_shexp` with its gate `ffn_gate_inp_shexp` (a vector in
+  llama.cpp, `[1, hidden]` in transformers).
 """
 
 from __future__ import annotations
@@ -37,6 +42,19 @@ _ATTN = {
 }
 _GATED_MLP = {"ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
 _QK_NORM = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+_MOE = {
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+}
+_SHARED_EXPERT = {
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+}
+_NORMS = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
 LLAMA_BLOCK = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
@@ -98,6 +116,10 @@ ARCHS = {
                     config_tensors=frozenset({"rope_factors_long.weight",
                                               "rope_factors_short.weight"})),
         ArchMapping("starcoder2", "Starcoder2ForCausalLM", "starcoder2", STARCODER2_BLOCK),
+        ArchMapping("qwen2moe", "Qwen2MoeForCausalLM", "qwen2_moe",
+                    {**_NORMS, **_ATTN, **_MOE, **_SHARED_EXPERT}),
+        ArchMapping("qwen3moe", "Qwen3MoeForCausalLM", "qwen3_moe",
+                    {**_NORMS, **_ATTN, **_QK_NORM, **_MOE}),
     )
 }  # fmt: skip
 
@@ -107,12 +129,21 @@ class TensorPlan:
     """One GGUF tensor's way into the HF checkpoint: dequantize, then un-permute the rows
     of each of `permute_heads` heads (when set), then add `offset`. A packed loader can
     apply the permutation to the packed rows as well (ggml quantizes each row on its own,
-    in blocks along it); `offset` is only ever set on 1-D norm weights, which are F32."""
+    in blocks along it); `offset` is only ever set on 1-D norm weights, which are F32.
+    `per_expert`: a stacked expert tensor, written as one HF tensor per expert (`hf_name`
+    with `experts.{e}.`); `as_row`: a vector written as a `[1, n]` matrix."""
 
     gguf_name: str
     hf_name: str
     permute_heads: int | None = None
     offset: float = 0.0
+    per_expert: bool = False
+    as_row: bool = False
+
+    def hf_names(self, num_experts: int) -> list[str]:
+        if not self.per_expert:
+            return [self.hf_name]
+        return [self.hf_name.replace(".experts.", f".experts.{e}.") for e in range(num_experts)]
 
 
 def mapping_for(gguf: GGUFFile) -> ArchMapping:
@@ -162,7 +193,8 @@ def plan_tensors(gguf: GGUFFile, mapping: ArchMapping | None = None) -> list[Ten
         elif mapping.permute_qk and ".attn_k." in name:
             heads = num_kv_heads
         offset = -1.0 if mapping.norm_plus_one and name.endswith("norm.weight") else 0.0
-        plans.append(TensorPlan(name, hf, heads, offset))
+        per_expert, as_row = "_exps." in name, ".ffn_gate_inp_shexp." in name
+        plans.append(TensorPlan(name, hf, heads, offset, per_expert, as_row))
     return plans
 
 

@@ -131,7 +131,17 @@ def load_tensor(gguf: GGUFFile, plan: TensorPlan) -> Any:
         w = unpermute_rows(w, plan.permute_heads)
     if plan.offset:
         w = w + np.float32(plan.offset)
+    if plan.as_row:
+        w = w.reshape(1, -1)
     return torch.from_numpy(np.require(w, requirements=["C", "W"]))
+
+
+def hf_tensors(gguf: GGUFFile, plan: TensorPlan) -> list[tuple[str, Any]]:
+    """(HF name, tensor) of a plan: one, or one per expert of a stacked expert tensor."""
+    t = load_tensor(gguf, plan)
+    if not plan.per_expert:
+        return [(plan.hf_name, t)]
+    return [(name, t[e].clone()) for e, name in enumerate(plan.hf_names(t.shape[0]))]
 
 
 def write_weights(gguf: GGUFFile, plans: list[TensorPlan], out: Path) -> None:
@@ -149,14 +159,14 @@ def write_weights(gguf: GGUFFile, plans: list[TensorPlan], out: Path) -> None:
         shard.clear()
 
     for i, plan in enumerate(plans, 1):
-        t = load_tensor(gguf, plan)
-        nbytes = t.numel() * t.element_size()
-        if shard and shard_bytes + nbytes > SHARD_BYTES:
-            flush()
-            shard_bytes = 0
-        shard[plan.hf_name] = t
-        shard_bytes += nbytes
-        total_bytes += nbytes
+        for name, t in hf_tensors(gguf, plan):
+            nbytes = t.numel() * t.element_size()
+            if shard and shard_bytes + nbytes > SHARD_BYTES:
+                flush()
+                shard_bytes = 0
+            shard[name] = t
+            shard_bytes += nbytes
+            total_bytes += nbytes
         if i == len(plans) or i % max(1, len(plans) // 4) == 0:
             logger.info("converting %s: %d/%d tensors", gguf.path.name, i, len(plans))
     flush()

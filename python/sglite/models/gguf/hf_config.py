@@ -11,6 +11,10 @@ llama.cpp's values, so the folder computes what llama.cpp computes:
   local RoPE base is 10000 unless `rope.freq_base_swa` says. Activation: gelu (tanh).
 - Phi-3: the longrope factors are the `rope_factors_long/short` tensors; partial rotary is
   `rope.dimension_count / head_dim`.
+- Qwen2-MoE / Qwen3-MoE: `expert_count`, `expert_used_count`, `expert_feed_forward_length`
+  (and Qwen2-MoE's `expert_shared_feed_forward_length`); every layer sparse, as llama.cpp
+  builds them; the top-k weights renormalised for qwen3moe and not for qwen2moe (llama.cpp's
+  fixed choice per architecture; `expert_weights_norm`, when stated, must agree).
 - llama 3: `rope_freqs` holds the per-frequency divisors of llama3 RoPE scaling; the
   parameters (factor, low/high frequency factors) are recovered from it and checked by
   recomputing every divisor.
@@ -28,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from sglite.models.gguf.archs import ArchMapping, uniform_count
+from sglite.models.gguf.moe_config import MOE_ARCHS, qwen_moe_config
 from sglite.models.gguf.reader import GGUFFile, UnsupportedGGUF
 
 # {arch}.* keys that change the model's math; each must be consumed by the arch's builder
@@ -44,8 +49,17 @@ _MATH_KEYS = (
     "attention.sliding_window_pattern",
     "rope.freq_base_swa",
     "attention.causal",
+    "expert_weights_norm",
+    "expert_weights_scale",
+    "expert_gating_func",
+    "expert_group_count",
+    "expert_shared_count",
 )
-_HARMLESS = {"attention.causal": True}  # values of _MATH_KEYS that change nothing
+_HARMLESS = {
+    "attention.causal": True,
+    "expert_weights_scale": 1.0,
+    "expert_group_count": 0,
+}  # values of _MATH_KEYS that change nothing
 _GELU_TANH = "gelu_pytorch_tanh"
 _END_OF_TURN = ("<end_of_turn>", "<|im_end|>", "<|end|>", "<|eot_id|>", "<|eom_id|>")
 
@@ -53,7 +67,7 @@ _END_OF_TURN = ("<end_of_turn>", "<|im_end|>", "<|end|>", "<|eot_id|>", "<|eom_i
 def hf_config(gguf: GGUFFile, mapping: ArchMapping) -> dict[str, Any]:
     """The config.json dict for the converted folder."""
     experts = gguf.arch_get("expert_count", 0)
-    if experts:
+    if experts and mapping.gguf_arch not in MOE_ARCHS:
         raise UnsupportedGGUF(
             f"{gguf.path.name}: a mixture-of-experts GGUF ({gguf.arch}.expert_count = "
             f"{experts}); sglite converts dense models only"
@@ -293,6 +307,11 @@ def _starcoder2(gguf: GGUFFile, config: dict[str, Any], consumed: set[str]) -> d
     }
 
 
+def _qwen_moe(gguf: GGUFFile, config: dict[str, Any], consumed: set[str]) -> dict[str, Any]:
+    _full_rotary(gguf, config)
+    return qwen_moe_config(gguf, config, consumed)
+
+
 _EXTRAS: dict[str, Extras] = {
     "llama": _llama,
     "mistral": _llama,
@@ -303,6 +322,8 @@ _EXTRAS: dict[str, Extras] = {
     "gemma3": _gemma3,
     "phi3": _phi3,
     "starcoder2": _starcoder2,
+    "qwen2moe": _qwen_moe,
+    "qwen3moe": _qwen_moe,
 }
 
 

@@ -13,7 +13,9 @@ through `iter_gguf_weights`, by the transformers name `archs.plan_tensors` gives
   rows; nothing else of the model is materialised, so the load's peak RSS is about the
   file's size.
 - `packed=False`: every tensor dequantized to float32, one at a time (the float model, as
-  the fp32 safetensors folder of `convert_gguf_to_hf(..., weights=True)` holds it).
+  the fp32 safetensors folder of `convert_gguf_to_hf(..., weights=True)` holds it). Stacked
+  expert tensors (qwen2moe, qwen3moe) are always float, one per expert (MoE models load
+  with `packed=False`: sglite.models.causal_lm `packed_unsupported`).
 """
 
 from __future__ import annotations
@@ -50,6 +52,12 @@ def gguf_source(folder: Path) -> Path | None:
 
 def write_source(folder: Path, gguf_path: Path) -> None:
     (folder / SOURCE_FILE).write_text(json.dumps({"gguf_path": str(gguf_path.resolve())}) + "\n")
+
+
+def hf_tensors(gguf: GGUFFile, plan: TensorPlan) -> list[tuple[str, Any]]:
+    from sglite.models.gguf.convert import hf_tensors as split
+
+    return split(gguf, plan)
 
 
 def _float_tensor(gguf: GGUFFile, plan: TensorPlan) -> Any:
@@ -107,5 +115,8 @@ def iter_gguf_weights(
     read = _packed_tensor if packed else _float_tensor
     with tqdm(total=len(plans), desc="Loading weights", unit="tensor", disable=not progress) as bar:
         for plan in plans:
-            yield plan.hf_name, read(gguf, plan)
+            if plan.per_expert:  # a stacked expert tensor: one float tensor per expert
+                yield from hf_tensors(gguf, plan)
+            else:
+                yield plan.hf_name, read(gguf, plan)
             bar.update(1)

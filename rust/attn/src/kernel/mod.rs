@@ -15,7 +15,7 @@ mod x86;
 
 use isa::{Isa, Portable};
 
-/// The output `[n, num_heads, head_dim]`; a (group, KV head) task writes its members' heads
+/// The output `[n, num_heads, v_dim]`; a (group, KV head) task writes its members' heads
 /// of that KV head.
 pub(crate) struct OutPtr<T>(pub *mut T);
 
@@ -33,9 +33,11 @@ unsafe impl<T: Send> Sync for OutPtr<T> {}
 
 /// SAFETY: `plan.run` checked `p` and `out` against the plan; no other thread writes these
 /// tasks.
+/// `v_row`: the width of `p.v`'s rows (checked by `plan.run`).
 pub(crate) unsafe fn run_tasks<T: Elem>(
     plan: &DecodePlan,
     p: &Layer<'_, T>,
+    v_row: usize,
     tasks: &[Task],
     out: OutPtr<T>,
 ) {
@@ -43,27 +45,39 @@ pub(crate) unsafe fn run_tasks<T: Elem>(
     {
         if std::arch::is_x86_feature_detected!("avx512f") {
             // SAFETY: the CPU has AVX-512F (checked just above).
-            return run_avx512(plan, p, tasks, out);
+            return run_avx512(plan, p, v_row, tasks, out);
         }
         if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
         {
             // SAFETY: the CPU has AVX2 and FMA (checked just above).
-            return run_avx2(plan, p, tasks, out);
+            return run_avx2(plan, p, v_row, tasks, out);
         }
     }
-    dispatch_dim(plan, p, tasks, out, Portable)
+    dispatch_dim(plan, p, v_row, tasks, out, Portable)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn run_avx512<T: Elem>(plan: &DecodePlan, p: &Layer<'_, T>, tasks: &[Task], out: OutPtr<T>) {
-    dispatch_dim(plan, p, tasks, out, x86::Avx512)
+unsafe fn run_avx512<T: Elem>(
+    plan: &DecodePlan,
+    p: &Layer<'_, T>,
+    v_row: usize,
+    tasks: &[Task],
+    out: OutPtr<T>,
+) {
+    dispatch_dim(plan, p, v_row, tasks, out, x86::Avx512)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn run_avx2<T: Elem>(plan: &DecodePlan, p: &Layer<'_, T>, tasks: &[Task], out: OutPtr<T>) {
-    dispatch_dim(plan, p, tasks, out, x86::Avx2)
+unsafe fn run_avx2<T: Elem>(
+    plan: &DecodePlan,
+    p: &Layer<'_, T>,
+    v_row: usize,
+    tasks: &[Task],
+    out: OutPtr<T>,
+) {
+    dispatch_dim(plan, p, v_row, tasks, out, x86::Avx2)
 }
 
 /// SAFETY: as `run_tasks`, and the CPU has the features `isa` needs.
@@ -71,14 +85,24 @@ unsafe fn run_avx2<T: Elem>(plan: &DecodePlan, p: &Layer<'_, T>, tasks: &[Task],
 unsafe fn dispatch_dim<T: Elem, I: Isa>(
     plan: &DecodePlan,
     p: &Layer<'_, T>,
+    v_row: usize,
     tasks: &[Task],
     out: OutPtr<T>,
     isa: I,
 ) {
-    match p.dims.head_dim {
-        64 => run_body(plan, p, tasks, out, Fixed::<64>, isa),
-        128 => run_body(plan, p, tasks, out, Fixed::<128>, isa),
-        d => run_body(plan, p, tasks, out, Any(d), isa),
+    let dims = (p.dims.head_dim, p.dims.v_dim);
+    match dims {
+        (64, 64) => run_body(plan, p, v_row, tasks, out, (Fixed::<64>, Fixed::<64>), isa),
+        (128, 128) => run_body(
+            plan,
+            p,
+            v_row,
+            tasks,
+            out,
+            (Fixed::<128>, Fixed::<128>),
+            isa,
+        ),
+        (d, dv) => run_body(plan, p, v_row, tasks, out, (Any(d), Any(dv)), isa),
     }
 }
 
@@ -140,30 +164,34 @@ pub(crate) struct Task {
 /// Keys per block: the scores of a block come out of one vector register (16 f32 lanes).
 const BLOCK: usize = 16;
 
-/// Addresses of the K (or V) rows of head `h` at `slots`. The slots were validated against
-/// the pool, so every address holds `d` elements.
+/// Addresses of the K (or V) rows of head `h` at `slots`, in a buffer of `row`-element rows
+/// of which `d` are read. The slots were validated against the pool, so every address holds
+/// `d` elements.
 #[inline(always)]
 fn row_ptrs<T>(
     buf: &[T],
     slots: &[i32],
     h: usize,
     kv_heads: usize,
-    d: usize,
+    (row, d): (usize, usize),
     out: &mut [*const T],
 ) {
     for (o, &slot) in out.iter_mut().zip(slots) {
-        *o = buf[(slot as usize * kv_heads + h) * d..][..d].as_ptr();
+        *o = buf[(slot as usize * kv_heads + h) * row..][..d].as_ptr();
     }
 }
 
+/// `v_row`: the width of `p.v`'s rows (the first `v_dim` of each are the values); `(dim,
+/// v_dim)`: the key and value head widths (constants in the common cases).
 /// SAFETY: as `run_tasks`, and the CPU has the features `isa` needs.
 #[inline(always)]
-unsafe fn run_body<T: Elem, H: HeadDim, I: Isa>(
+unsafe fn run_body<T: Elem, H: HeadDim, V: HeadDim, I: Isa>(
     plan: &DecodePlan,
     p: &Layer<'_, T>,
+    v_row: usize,
     tasks: &[Task],
     out: OutPtr<T>,
-    dim: H,
+    (dim, v_dim): (H, V),
     isa: I,
 ) {
     let Dims {
@@ -171,9 +199,10 @@ unsafe fn run_body<T: Elem, H: HeadDim, I: Isa>(
         num_kv_heads,
         ..
     } = p.dims;
-    let d = dim.get();
+    let (d, dv) = (dim.get(), v_dim.get());
     let per_kv = num_heads / num_kv_heads; // query heads per KV head
     let task_len = per_kv * d;
+    let out_len = per_kv * dv;
     let mut q: Vec<f32> = Vec::new();
     let mut acc: Vec<f32> = Vec::new();
     let mut sums: Vec<f32> = Vec::new();
@@ -190,7 +219,6 @@ unsafe fn run_body<T: Elem, H: HeadDim, I: Isa>(
             members,
             plan,
             kv_heads: num_kv_heads,
-            d,
         };
         // this head's queries of every member, scaled; score rows: member m, query head j
         q.clear();
@@ -205,16 +233,23 @@ unsafe fn run_body<T: Elem, H: HeadDim, I: Isa>(
         scores.clear();
         scores.resize(total, 0.0);
         // scores: each block of the shared prefix once for all members, then each member's own
-        for_each_block(p.k, h, &walk, &mut ptrs, |members_in, block, end, keys| {
-            for m in members_in {
-                let len = plan.slots(members[m]).len();
-                for j in 0..per_kv {
-                    let qj = &q[(m * per_kv + j) * d..][..d];
-                    let row = &mut scores[offsets[m] + j * len..][..len];
-                    isa.scores(qj, keys, &mut row[block..end], d);
+        for_each_block(
+            p.k,
+            (d, d),
+            h,
+            &walk,
+            &mut ptrs,
+            |members_in, block, end, keys| {
+                for m in members_in {
+                    let len = plan.slots(members[m]).len();
+                    for j in 0..per_kv {
+                        let qj = &q[(m * per_kv + j) * d..][..d];
+                        let row = &mut scores[offsets[m] + j * len..][..len];
+                        isa.scores(qj, keys, &mut row[block..end], d);
+                    }
                 }
-            }
-        });
+            },
+        );
         sums.clear();
         let Variant { logit_cap, sinks } = p.variant;
         for (m, &i) in members.iter().enumerate() {
@@ -229,9 +264,10 @@ unsafe fn run_body<T: Elem, H: HeadDim, I: Isa>(
             }
         }
         acc.clear();
-        acc.resize(members.len() * task_len, 0.0);
+        acc.resize(members.len() * out_len, 0.0);
         for_each_block(
             p.v,
+            (v_row, dv),
             h,
             &walk,
             &mut ptrs,
@@ -239,20 +275,20 @@ unsafe fn run_body<T: Elem, H: HeadDim, I: Isa>(
                 for m in members_in {
                     let len = plan.slots(members[m]).len();
                     for j in 0..per_kv {
-                        let acc_j = &mut acc[(m * per_kv + j) * d..][..d];
+                        let acc_j = &mut acc[(m * per_kv + j) * dv..][..dv];
                         let row = &scores[offsets[m] + j * len..][..len];
-                        isa.weighted_sum(acc_j, &row[block..end], values, d);
+                        isa.weighted_sum(acc_j, &row[block..end], values, dv);
                     }
                 }
             },
         );
         for (m, &i) in members.iter().enumerate() {
-            let at = (i * num_kv_heads + h) * task_len;
-            let out = std::slice::from_raw_parts_mut(out.0.add(at), task_len);
-            let acc_m = &acc[m * task_len..][..task_len];
+            let at = (i * num_kv_heads + h) * out_len;
+            let out = std::slice::from_raw_parts_mut(out.0.add(at), out_len);
+            let acc_m = &acc[m * out_len..][..out_len];
             for (j, (o, a)) in out
-                .chunks_exact_mut(d)
-                .zip(acc_m.chunks_exact(d))
+                .chunks_exact_mut(dv)
+                .zip(acc_m.chunks_exact(dv))
                 .enumerate()
             {
                 let inv = 1.0 / sums[m * per_kv + j];
@@ -272,14 +308,15 @@ struct Walk<'a> {
     members: &'a [usize],
     plan: &'a DecodePlan,
     kv_heads: usize,
-    d: usize,
 }
 
 /// Calls `visit(members, from, to, rows)` for each block of keys of `plan` with the addresses
-/// of their rows of head `h` in `buf` (K or V); prefetches the next block first.
+/// of their rows of head `h` in `buf` (K or V, rows of `row` elements of which `d` are read:
+/// `(row, d)`); prefetches the next block first.
 #[inline(always)]
 fn for_each_block<T, V>(
     buf: &[T],
+    (row, d): (usize, usize),
     h: usize,
     walk: &Walk<'_>,
     ptrs: &mut [*const T; BLOCK],
@@ -287,7 +324,7 @@ fn for_each_block<T, V>(
 ) where
     V: FnMut(std::ops::Range<usize>, usize, usize, &[*const T]),
 {
-    let (kv_heads, d) = (walk.kv_heads, walk.d);
+    let kv_heads = walk.kv_heads;
     let common = (walk.shared > 0).then_some((0..walk.members.len(), walk.lead, 0, walk.shared));
     let own = walk.members.iter().enumerate().map(|(m, &i)| {
         let slots = walk.plan.slots(i);
@@ -297,10 +334,10 @@ fn for_each_block<T, V>(
         for block in (from..to).step_by(BLOCK) {
             let end = (block + BLOCK).min(to);
             for &slot in &slots[end..(end + BLOCK).min(to)] {
-                prefetch(&buf[(slot as usize * kv_heads + h) * d..][..d]);
+                prefetch(&buf[(slot as usize * kv_heads + h) * row..][..d]);
             }
             let rows = &mut ptrs[..end - block];
-            row_ptrs(buf, &slots[block..end], h, kv_heads, d, rows);
+            row_ptrs(buf, &slots[block..end], h, kv_heads, (row, d), rows);
             visit(members.clone(), block, end, rows);
         }
     }

@@ -77,10 +77,13 @@ pub(super) fn reference(p: &Problem<'_, f32>) -> Vec<f64> {
         num_heads,
         num_kv_heads,
         head_dim: d,
+        v_dim: dv,
     } = p.dims;
     let group = num_heads / num_kv_heads;
     let cap = p.variant.logit_cap as f64;
-    let mut out = vec![0f64; p.q.len()];
+    let num_slots = p.k.len() / (num_kv_heads * d);
+    let v_row = p.v.len() / (num_slots * num_kv_heads);
+    let mut out = vec![0f64; p.q.len() / d * dv];
     for (i, (&row, &len)) in p.rows.iter().zip(p.seq_lens).enumerate() {
         let len = len as usize;
         let first = len.saturating_sub(p.window.unwrap_or(len));
@@ -114,8 +117,8 @@ pub(super) fn reference(p: &Problem<'_, f32>) -> Vec<f64> {
             let weights: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
             let total: f64 = weights.iter().sum::<f64>() + sink.map_or(0.0, |s| (s - max).exp());
             for (w, &s) in weights.iter().zip(slots) {
-                let value = &p.v[(s as usize * num_kv_heads + kv) * d..][..d];
-                for (o, x) in out[(i * num_heads + h) * d..][..d].iter_mut().zip(value) {
+                let value = &p.v[(s as usize * num_kv_heads + kv) * v_row..][..dv];
+                for (o, x) in out[(i * num_heads + h) * dv..][..dv].iter_mut().zip(value) {
                     *o += w / total * *x as f64;
                 }
             }
@@ -137,11 +140,7 @@ fn matches_the_reference_on_random_layouts() {
     let layouts = [(9, 3, 64), (4, 4, 16), (8, 1, 128), (6, 2, 20), (2, 2, 3)];
     for (round, &(num_heads, num_kv_heads, head_dim)) in layouts.iter().cycle().take(40).enumerate()
     {
-        let dims = Dims {
-            num_heads,
-            num_kv_heads,
-            head_dim,
-        };
+        let dims = Dims::same(num_heads, num_kv_heads, head_dim);
         let n = 1 + rng.below(12);
         let max_len = 1 + rng.below(if round % 3 == 0 { 1200 } else { 60 });
         let c = case(&mut rng, n, max_len, dims);
@@ -169,11 +168,7 @@ fn bf16_inputs_round_like_torch() {
     assert_eq!(Bf16::from_f32(f32::MAX).to_f32(), f32::INFINITY);
 
     let mut rng = Rng(12345);
-    let dims = Dims {
-        num_heads: 8,
-        num_kv_heads: 2,
-        head_dim: 32,
-    };
+    let dims = Dims::same(8, 2, 32);
     let c = case(&mut rng, 5, 300, dims);
     let round = |xs: &[f32]| xs.iter().map(|&x| Bf16::from_f32(x)).collect::<Vec<_>>();
     let (q, k, v) = (round(&c.q), round(&c.k), round(&c.v));
@@ -217,11 +212,7 @@ fn bf16_shell(c: &Case) -> Problem<'_, Bf16> {
 #[test]
 fn bad_layouts_are_errors_and_leave_out_untouched() {
     let mut rng = Rng(77);
-    let dims = Dims {
-        num_heads: 4,
-        num_kv_heads: 2,
-        head_dim: 8,
-    };
+    let dims = Dims::same(4, 2, 8);
     let c = case(&mut rng, 3, 10, dims);
     let check = |p: Problem<'_, f32>, needle: &str| {
         let mut out = vec![7f32; c.q.len()];
@@ -311,3 +302,38 @@ fn exp_is_accurate_on_the_softmax_range() {
 mod ops;
 mod plan;
 mod variants;
+
+/// MLA's absorbed decode: one KV head whose values are the first `v_dim` dims of each key
+/// row (the pool's key rows passed as `v`), and a separate narrower value buffer.
+#[test]
+fn values_narrower_than_keys() {
+    let mut rng = Rng(0x51ab);
+    for (num_heads, head_dim, v_dim) in [(16, 40, 32), (4, 576, 512), (3, 24, 7)] {
+        let dims = Dims {
+            v_dim,
+            ..Dims::same(num_heads, 1, head_dim)
+        };
+        let c = case(&mut rng, 5, 70, dims);
+        let num_slots = c.k.len() / head_dim;
+        let narrow: Vec<f32> = (0..num_slots * v_dim).map(|_| rng.unit()).collect();
+        for v in [&c.k, &narrow] {
+            let p = Problem { v, ..problem(&c) };
+            let want = reference(&p);
+            let mut got = vec![0f32; want.len()];
+            decode_attention(&p, &mut got, 2).unwrap();
+            assert!(max_abs_diff(&got, &want) < 1e-4, "{dims:?}");
+        }
+    }
+    let c = case(&mut rng, 2, 9, Dims::same(4, 1, 16));
+    for v_dim in [0, 17] {
+        let p = Problem {
+            dims: Dims {
+                v_dim,
+                ..Dims::same(4, 1, 16)
+            },
+            ..problem(&c)
+        };
+        let mut out = vec![0f32; 2 * 4 * 16];
+        assert!(decode_attention(&p, &mut out, 1).is_err());
+    }
+}

@@ -19,11 +19,7 @@ fn tasks_split_into_balanced_contiguous_ranges() {
 
 #[test]
 fn rows_sharing_a_prefix_are_grouped() {
-    let dims = Dims {
-        num_heads: 2,
-        num_kv_heads: 2,
-        head_dim: 4,
-    };
+    let dims = Dims::same(2, 2, 4);
     let width = 40;
     let prefix: Vec<i32> = (100..130).collect(); // 30 shared slots
     let mut table = vec![0i32; 5 * width];
@@ -63,11 +59,7 @@ fn rows_sharing_a_prefix_are_grouped() {
 #[test]
 fn groups_match_the_reference() {
     let mut rng = Rng(99);
-    let dims = Dims {
-        num_heads: 6,
-        num_kv_heads: 2,
-        head_dim: 64,
-    };
+    let dims = Dims::same(6, 2, 64);
     let mut c = case(&mut rng, 20, 300, dims);
     // three prefixes of different lengths shared by most rows, a few rows alone
     for (r, row) in c.table.chunks_exact_mut(c.width).enumerate() {
@@ -106,11 +98,7 @@ fn plan_of(p: &Problem<'_, f32>) -> DecodePlan {
 #[test]
 fn one_plan_serves_every_layer_and_checks_each() {
     let mut rng = Rng(2024);
-    let dims = Dims {
-        num_heads: 4,
-        num_kv_heads: 2,
-        head_dim: 16,
-    };
+    let dims = Dims::same(4, 2, 16);
     let c = case(&mut rng, 6, 50, dims);
     let plan = plan_of(&problem(&c));
     let slot_len = dims.num_kv_heads * dims.head_dim;
@@ -153,11 +141,7 @@ fn one_plan_serves_every_layer_and_checks_each() {
     };
     let e = plan.run(&layer, &mut out, 2).unwrap_err();
     assert!(e.0.contains("outside the pool"), "{e}");
-    let other = Dims {
-        num_heads: 4,
-        num_kv_heads: 4,
-        head_dim: 8,
-    };
+    let other = Dims::same(4, 4, 8);
     let layer = Layer {
         q: &c.q,
         k: &c.k,

@@ -8,11 +8,7 @@ fn windows_caps_and_sinks_match_the_reference() {
     let layouts = [(8, 2, 64), (4, 1, 16), (6, 3, 20), (2, 2, 128)];
     for (round, &(num_heads, num_kv_heads, head_dim)) in layouts.iter().cycle().take(24).enumerate()
     {
-        let dims = Dims {
-            num_heads,
-            num_kv_heads,
-            head_dim,
-        };
+        let dims = Dims::same(num_heads, num_kv_heads, head_dim);
         let n = 1 + rng.below(10);
         let max_len = 1 + rng.below(if round % 4 == 0 { 900 } else { 70 });
         let c = case(&mut rng, n, max_len, dims);
@@ -46,11 +42,7 @@ fn windows_caps_and_sinks_match_the_reference() {
 fn a_window_reads_only_the_last_keys() {
     // keys before the window hold NaN: reading any of them would poison the output
     let mut rng = Rng(3);
-    let dims = Dims {
-        num_heads: 2,
-        num_kv_heads: 1,
-        head_dim: 16,
-    };
+    let dims = Dims::same(2, 1, 16);
     let mut c = case(&mut rng, 4, 40, dims);
     c.seq_lens = vec![40, 12, 5, 33];
     c.rows = vec![0, 1, 2, 3];
@@ -84,11 +76,7 @@ fn a_window_reads_only_the_last_keys() {
 #[test]
 fn bad_variants_are_errors() {
     let mut rng = Rng(8);
-    let dims = Dims {
-        num_heads: 4,
-        num_kv_heads: 2,
-        head_dim: 8,
-    };
+    let dims = Dims::same(4, 2, 8);
     let c = case(&mut rng, 3, 10, dims);
     let mut out = vec![7f32; c.q.len()];
     let sinks = [0.0f32; 3];
