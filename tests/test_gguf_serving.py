@@ -1,6 +1,7 @@
-"""A .gguf as --model-path, end to end: converted once in the main process, so the tokenizer
+"""A .gguf as --model-path, end to end: converted once in the main process (config and
+tokenizer; the scheduler reads the weights from the .gguf, kept packed), so the tokenizer
 manager, the detokenizer and the scheduler all load the folder; served under the path as
-given; greedy output equal to transformers on the converted folder. And start-up refusals
+given; greedy output (--quant-kernel exact) equal to transformers on the dequantized model. And start-up refusals
 (an unsupported architecture in config.json, an unsupported GGUF architecture) end the
 process with one clear line and status 1, not a traceback.
 """
@@ -38,14 +39,21 @@ def greedy_ref(smollm2_gguf):
 
     from sglite.models.gguf import convert_gguf_to_hf
 
-    folder = convert_gguf_to_hf(smollm2_gguf)  # cached: what the server will load too
+    folder = convert_gguf_to_hf(smollm2_gguf, weights=True)  # cached: the fp32 reference
     tok = AutoTokenizer.from_pretrained(str(folder))
     return tok.decode(hf_greedy(folder, PROMPT, 8))
 
 
 def test_launch_server_with_a_gguf_path(smollm2_gguf, greedy_ref, tmp_path):
     srv = start_server(
-        ["--model-path", str(smollm2_gguf), "--max-total-tokens", "4096"],
+        [
+            "--model-path",
+            str(smollm2_gguf),
+            "--max-total-tokens",
+            "4096",
+            "--quant-kernel",
+            "exact",
+        ],
         tmp_path / "server.log",
         fake=False,
         timeout=600,
@@ -71,10 +79,13 @@ def test_launch_server_with_a_gguf_path(smollm2_gguf, greedy_ref, tmp_path):
     assert "[MainProcess] sglite.models.gguf.convert: using " in log
     assert "converted from SmolLM2-135M-Instruct.Q4_1.gguf" in log
     assert "could not load a tokenizer" not in log and "Traceback" not in log
+    assert "GGUF blocks kept packed" in log
 
 
 def test_engine_with_a_gguf_path(smollm2_gguf, greedy_ref):
-    with sglite.Engine(model_path=str(smollm2_gguf), max_total_tokens=2048) as engine:
+    with sglite.Engine(
+        model_path=str(smollm2_gguf), max_total_tokens=2048, quant_kernel="exact"
+    ) as engine:
         out = engine.generate(PROMPT, {"max_new_tokens": 8, "temperature": 0})
     assert out["text"] == greedy_ref
 

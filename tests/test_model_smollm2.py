@@ -121,9 +121,11 @@ def test_second_start_reuses_the_converted_folder(smollm2_dir):
     from sglite.models import gguf
 
     start = time.perf_counter()
-    again = gguf.default_model_path()
+    again = gguf.convert_gguf_to_hf(gguf.smollm2_gguf_path(), weights=True)
     assert again == smollm2_dir
     assert time.perf_counter() - start < 2.0
+    # the serving folder (no weights: read from the .gguf) is another one
+    assert gguf.default_model_path().name == smollm2_dir.name.removesuffix("-f32")
 
 
 def test_missing_package_error_names_the_install_command(monkeypatch):

@@ -18,6 +18,8 @@ from sglite.config_front_door import FrontDoorArgs
 from sglite.constrained import GRAMMAR_BACKENDS
 from sglite.kv_events.config import KvEventsConfig, parse_kv_events_config
 from sglite.parsers import REASONING_FORMATS, TOOL_CALL_PARSERS
+from sglite.quantization import HELP as QUANT_HELP
+from sglite.quantization import KERNEL_HELP, QUANT_KERNELS, QUANTIZATIONS
 from sglite.server.load_balance import LOAD_BALANCE_METHODS
 
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random", "hrrn", "shortest-prefill-first")
@@ -83,6 +85,8 @@ class ServerArgs(FrontDoorArgs):
         choices=KV_CACHE_DTYPES,
     )
     device: str | None = _f(None, "cuda or cpu (default: cuda when available).")
+    quantization: str | None = _f(None, QUANT_HELP, choices=QUANTIZATIONS)
+    quant_kernel: str = _f("auto", KERNEL_HELP, choices=QUANT_KERNELS)
     context_length: int | None = _f(
         None, "Max tokens per request (prompt + output); default from the model config."
     )

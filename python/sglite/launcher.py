@@ -69,6 +69,8 @@ def resolve_model(server_args: ServerArgs) -> ServerArgs:
         is_repo = not hub.is_local(given) and hub.looks_like_repo_id(given)
         if server_args.revision and not is_repo:
             logger.warning("--revision applies to Hub repo ids; %s is local, ignoring it", given)
+        if server_args.quantization == "gguf" and not is_gguf_file(given):
+            raise ValueError(f"--quantization gguf needs a .gguf --model-path, got {given}")
         if is_gguf_file(given):
             changes.update(
                 model_path=str(convert_gguf_to_hf(Path(given).expanduser())),

@@ -14,7 +14,6 @@ from collections.abc import Iterable, Sequence
 
 # flag -> what it is, for the message
 UNSUPPORTED: dict[str, str] = {
-    "--quantization": "weight quantization",
     "--quantization-param-path": "weight quantization",
     "--load-format": "weight formats other than safetensors and GGUF",
     "--enable-dp-attention": "data-parallel attention",

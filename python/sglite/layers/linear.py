@@ -5,7 +5,9 @@ column-parallel layer keeps `out_features / tp_size` rows of the weight and need
 communication, a row-parallel one keeps `in_features / tp_size` columns and all-reduces its
 partial output (its bias is added once, after the all-reduce). With tp_size 1 the forward is
 the plain matmul, no collective. Checkpoint tensors reach the shard through each parameter's
-`weight_loader(param, tensor, shard_id)`, which narrows the full tensor to this rank's part.
+`weight_loader(param, tensor, shard_id)`: `place()` narrows the full tensor to this rank's
+part and says where it goes (the packed GGUF layers of `quant_linear` place their rows by the
+same code).
 QKV: with fewer KV heads than ranks, each rank holds the one KV head its query heads read.
 
 On CPU, `prepack()` converts the weight into oneDNN's blocked layout once after loading
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -58,6 +61,15 @@ def _check_divisible(value: int, tp_size: int, what: str) -> None:
         raise ValueError(f"{what}={value} is not divisible by tp_size={tp_size}")
 
 
+class Placement(NamedTuple):
+    """A checkpoint tensor's place in a layer's shard (`LinearBase.place`)."""
+
+    row: int
+    size: int | None
+    shard: torch.Tensor
+    what: str
+
+
 def can_prepack(dtype: torch.dtype) -> bool:
     return (
         dtype in (torch.float32, torch.bfloat16)
@@ -90,10 +102,22 @@ class LinearBase(nn.Module):
             self.bias.weight_loader = self.weight_loader
         self._packed: torch.Tensor | None = None
 
+    def place(self, loaded: torch.Tensor, shard_id: str | int | None = None) -> Placement:
+        """Where a checkpoint tensor (weight or bias) goes in this rank's shard: the first row,
+        the rows there (None: all of them) and the part of `loaded` that belongs there.
+        `loaded` is a tensor, or anything with `shape`, `dim()` and `narrow()` (the packed
+        rows of `sglite.layers.quant_linear`), so both modes shard by the same code."""
+        return Placement(0, None, loaded, type(self).__name__)
+
     def weight_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None
     ) -> None:
-        _copy_checked(param.data, loaded, type(self).__name__)
+        self.store(param, self.place(loaded, shard_id))
+
+    def store(self, param: nn.Parameter, where: Placement) -> None:
+        """Copy a placed checkpoint tensor into `param` (the packed layers keep theirs)."""
+        dst = param.data if where.size is None else param.data.narrow(0, where.row, where.size)
+        _copy_checked(dst, where.shard, where.what)
 
     def _set_shard_ids(self, shard_ids: tuple) -> None:
         """The shards that together fill each parameter (the loader checks every one came;
@@ -149,11 +173,8 @@ class ColumnParallelLinear(LinearBase):
         size = total // self.tp_size
         return loaded.narrow(0, self.tp_rank * size, size)
 
-    def weight_loader(
-        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None
-    ) -> None:
-        shard = self._shard_rows(loaded, loaded.shape[0])
-        _copy_checked(param.data, shard, type(self).__name__)
+    def place(self, loaded: torch.Tensor, shard_id: str | int | None = None) -> Placement:
+        return Placement(0, None, self._shard_rows(loaded, loaded.shape[0]), type(self).__name__)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -196,13 +217,15 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             for i, part in enumerate(loaded.split(self.output_sizes)):
                 self.weight_loader(param, part, i)
             return
+        super().weight_loader(param, loaded, shard_id)
+
+    def place(self, loaded: torch.Tensor, shard_id: str | int | None = None) -> Placement:
         if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):
             raise ValueError(f"MergedColumnParallelLinear: bad shard id {shard_id!r}")
         tp = self.tp_size
-        offset = sum(self.output_sizes[:shard_id]) // tp
-        size = self.output_sizes[shard_id] // tp
-        _copy_checked(
-            param.data.narrow(0, offset, size),
+        return Placement(
+            sum(self.output_sizes[:shard_id]) // tp,
+            self.output_sizes[shard_id] // tp,
             self._shard_rows(loaded, self.output_sizes[shard_id]),
             f"MergedColumnParallelLinear shard {shard_id}",
         )
@@ -274,8 +297,17 @@ class QKVParallelLinear(ColumnParallelLinear):
             for sid, part in zip("qkv", loaded.split(sizes)):
                 self.weight_loader(param, part, sid)
             return
+        super().weight_loader(param, loaded, shard_id)
+
+    def place(self, loaded: torch.Tensor, shard_id: str | int | None = None) -> Placement:
         if shard_id in ("q", "k") and self.head_permutation is not None:
-            loaded = permute_heads(loaded, self.head_permutation, self.head_dim, 0)
+            if isinstance(loaded, torch.Tensor):
+                loaded = permute_heads(loaded, self.head_permutation, self.head_dim, 0)
+            else:  # packed rows: the same permutation of whole rows
+                rows = torch.arange(loaded.shape[0])
+                loaded = loaded.take_rows(
+                    permute_heads(rows, self.head_permutation, self.head_dim, 0)
+                )
         offsets = {
             "q": (0, self.q_size),
             "k": (self.q_size, self.kv_size),
@@ -285,10 +317,8 @@ class QKVParallelLinear(ColumnParallelLinear):
             raise ValueError(f"QKVParallelLinear: shard id must be q, k or v, got {shard_id!r}")
         offset, size = offsets[shard_id]
         start = self.tp_rank * size if shard_id == "q" else self.kv_head_start * self.head_dim
-        _copy_checked(
-            param.data.narrow(0, offset, size),
-            loaded.narrow(0, start, size),
-            f"QKVParallelLinear shard {shard_id}",
+        return Placement(
+            offset, size, loaded.narrow(0, start, size), f"QKVParallelLinear shard {shard_id}"
         )
 
 
@@ -312,13 +342,11 @@ class RowParallelLinear(LinearBase):
             in_features // tp_size, out_features, bias=bias, dtype=dtype, device=device
         )
 
-    def weight_loader(
-        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None
-    ) -> None:
-        if param.dim() == 2:
-            size = param.shape[1]
+    def place(self, loaded: torch.Tensor, shard_id: str | int | None = None) -> Placement:
+        if loaded.dim() == 2:  # the weight; the bias is whole on every rank
+            size = self.in_features
             loaded = loaded.narrow(1, self.tp_rank * size, size)
-        _copy_checked(param.data, loaded, "RowParallelLinear")
+        return Placement(0, None, loaded, "RowParallelLinear")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:

@@ -131,6 +131,8 @@ class ModelRunner:
         ep_size: int = 1,
         dist_init_addr: str | None = None,
         dist_timeout: float | None = None,
+        quantization: str | None = None,
+        quant_kernel: str = "auto",
     ) -> None:
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
@@ -169,6 +171,8 @@ class ModelRunner:
             device=self.device,
             tp_group=self.tp_group,
             ep_size=ep_size,
+            quantization=quantization,
+            quant_kernel=quant_kernel,
         )
         if self.device.type == "cpu":
             logger.info("packing the linear weights for oneDNN")

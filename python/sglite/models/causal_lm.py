@@ -106,18 +106,24 @@ class DecoderForCausalLM(nn.Module):
         device: torch.device | None = None,
         tp_group: TPGroup = NULL_TP_GROUP,
         ep_size: int = 1,
+        packed: bool = False,
     ) -> None:
         """With `tp_group` of size > 1 the model holds this rank's shard (see layers.linear);
-        with `ep_size` > 1 (dividing it) 1/ep_size of each MoE layer's experts."""
+        with `ep_size` > 1 (dividing it) 1/ep_size of each MoE layer's experts. `packed`: the
+        linear layers, embeddings and LM head hold GGUF blocks (loaded as `PackedRows` by
+        `load_weights`; see sglite.models.gguf.weights)."""
         super().__init__()
         spec = self.decoder_spec(ConfigFields(config))
         _check(config, spec)
         _check_ep(config, spec, tp_group.size, ep_size)
         self.config, self.spec = config, spec
         attention_cls = DecoderAttention if spec.mla is None else DecoderMLAttention
-        build = Build(config, spec, dtype, device, tp_group, ep_size)
+        build = Build(config, spec, dtype, device, tp_group, ep_size=ep_size, packed=packed)
         self.model = DecoderModel(build, attention_cls, self.mlp_for_layer)
-        self.lm_head = ParallelLMHead(
+        head_cls = ParallelLMHead
+        if packed:
+            from sglite.layers.quant_embedding import QuantParallelLMHead as head_cls
+        self.lm_head = head_cls(
             config.vocab_size,
             config.hidden_size,
             bias=spec.lm_head_bias,
@@ -130,6 +136,18 @@ class DecoderForCausalLM(nn.Module):
         self.logits_processor = LogitsProcessor(spec.logit_scale, spec.final_logit_softcap)
         qkv = STACKED_QKV if spec.mla is None else ()  # MLA's q_proj is a plain projection
         self.stacked = qkv + (STACKED_GATE_UP if spec.gated_mlp else ())
+
+    @classmethod
+    def packed_unsupported(cls, config: ModelConfig) -> str | None:
+        """Why this model cannot hold GGUF blocks packed (`packed=True`), or None."""
+        spec = cls.decoder_spec(ConfigFields(config))
+        if spec.moe is not None:
+            return "its mixture-of-experts layers have no packed form"
+        if spec.mla is not None:
+            return "its latent attention (MLA) has no packed form"
+        if cls.mlp_for_layer is not DecoderForCausalLM.mlp_for_layer:
+            return "its MLP layers have no packed form"
+        return None
 
     def mlp_for_layer(self, b: Build, layer_id: int) -> nn.Module:
         """Layer `layer_id`'s MLP: the MoE block on a sparse layer of a spec with `moe`
@@ -176,6 +194,10 @@ class DecoderForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load checkpoint tensors by HF name; unknown or missing tensors are an error."""
         params = dict(self.named_parameters(remove_duplicate=False))
+        # packed layers take their weights whole (`load_packed`), not as parameters
+        packed = {
+            f"{name}.weight": m for name, m in self.named_modules() if hasattr(m, "load_packed")
+        }
         loaded: dict[str, set] = defaultdict(set)
         tied = self.config.tie_word_embeddings
         for name, tensor in weights:
@@ -183,6 +205,10 @@ class DecoderForCausalLM(nn.Module):
                 continue
             for target, shard_id, part in self.checkpoint_targets(name, tensor):
                 if tied and target == "lm_head.weight":
+                    continue
+                if target in packed:
+                    packed[target].load_packed(part, shard_id)
+                    loaded[target].add(shard_id)
                     continue
                 param = params.get(target)
                 if param is None:
@@ -198,6 +224,11 @@ class DecoderForCausalLM(nn.Module):
             if None not in loaded[name]
             for shard_id in getattr(param, "shard_ids", (None,))
             if shard_id not in loaded[name]
+        ]
+        missing += [
+            self._checkpoint_name(name, None)
+            for name, m in packed.items()
+            if not (m.is_loaded if hasattr(m, "is_loaded") else m.packed.is_complete)
         ]
         if missing:
             raise ValueError(

@@ -51,10 +51,27 @@ class Build:
     device: torch.device | None = None
     tp_group: TPGroup = NULL_TP_GROUP
     ep_size: int = 1  # MoE layers: expert-parallel groups (sglite.layers.moe.experts)
+    packed: bool = False  # linear layers and embeddings over GGUF blocks (layers.quant_*)
 
     @property
     def kw(self) -> dict:
         return dict(dtype=self.dtype, device=self.device, tp_group=self.tp_group)
+
+    def linear(self, cls: type) -> type:
+        """`cls` (a layer of sglite.layers.linear), or its packed twin in a packed model."""
+        if not self.packed:
+            return cls
+        from sglite.layers.quant_linear import packed_class
+
+        return packed_class(cls)
+
+    def embedding(self) -> nn.Module:
+        size = (self.config.vocab_size, self.config.hidden_size)
+        if not self.packed:
+            return VocabParallelEmbedding(*size, **self.kw)
+        from sglite.layers.quant_embedding import QuantVocabParallelEmbedding
+
+        return QuantVocabParallelEmbedding(*size, **self.kw)
 
     def norm(self, size: int) -> nn.Module:
         return self.spec.norm.build(size, self.dtype, self.device)
@@ -73,13 +90,13 @@ class DecoderAttention(nn.Module):
         super().__init__()
         config, spec = b.config, b.spec
         self.head_dim = d = config.head_dim
-        self.qkv_proj = QKVParallelLinear(
+        self.qkv_proj = b.linear(QKVParallelLinear)(
             config.hidden_size, d, config.num_heads, config.num_kv_heads, bias=spec.qkv_bias, **b.kw
         )
         self.qkv_proj.head_permutation = head_permutation
         # This rank's heads (all of them with tp_size 1).
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
-        self.o_proj = RowParallelLinear(
+        self.o_proj = b.linear(RowParallelLinear)(
             config.num_heads * d, config.hidden_size, bias=spec.o_bias, **b.kw
         )
         self.q_norm = self.k_norm = None
@@ -150,12 +167,12 @@ class DecoderMLP(nn.Module):
         size, hidden = config.intermediate_size, config.hidden_size
         kw = dict(bias=spec.mlp_bias, **b.kw)
         if spec.gated_mlp:
-            self.gate_up_proj = MergedColumnParallelLinear(hidden, [size, size], **kw)
+            self.gate_up_proj = b.linear(MergedColumnParallelLinear)(hidden, [size, size], **kw)
             self.act_fn = GatedActivation(spec.act)
         else:
-            self.up_proj = ColumnParallelLinear(hidden, size, **kw)
+            self.up_proj = b.linear(ColumnParallelLinear)(hidden, size, **kw)
             self.act_fn = Activation(spec.act)
-        self.down_proj = RowParallelLinear(size, hidden, **kw)
+        self.down_proj = b.linear(RowParallelLinear)(size, hidden, **kw)
         self.up = self.gate_up_proj if spec.gated_mlp else self.up_proj
         self.out_scale = spec.residual_scale
 
@@ -240,7 +257,7 @@ class DecoderModel(nn.Module):
         attention; `mlp_for_layer(b, layer_id)` its MLP (a family may mix kinds)."""
         super().__init__()
         config, spec = b.config, b.spec
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, **b.kw)
+        self.embed_tokens = b.embedding()
         d = spec.mla.qk_rope_head_dim if spec.mla is not None else config.head_dim
         rotary_dim = int(d * spec.rotary_factor)
         perm = rotary_permutation(d, rotary_dim, spec.rope_interleaved)

@@ -6,6 +6,8 @@ an HF folder in the cache (see sglite.models.gguf), or a Hugging Face repo id, r
 its snapshot in the local Hub cache (downloaded when missing; see sglite.models.hub). The
 server resolves repo ids and converts .gguf files once, in its main process
 (launcher.resolve_model), so its children only see folders.
+A converted .gguf folder holds no weights: they are read from the .gguf by mmap, kept packed
+or dequantized as `--quantization` says (sglite.quantization, sglite.models.gguf.weights).
 Weights load with a progress bar over the checkpoint's tensors, then the load time is logged.
 Under tensor parallelism each rank reads the checkpoint itself and its layers' weight
 loaders narrow every tensor to the rank's shard: one full tensor at a time is in memory
@@ -116,20 +118,53 @@ def load_model(
     device: torch.device,
     tp_group: TPGroup = NULL_TP_GROUP,
     ep_size: int = 1,
+    quantization: str | None = None,
+    quant_kernel: str = "auto",
 ) -> nn.Module:
     """Instantiate the registered class for `config.architecture` and load its weights
     (this rank's shard of them when `tp_group` has more than one rank; with `ep_size` > 1,
-    only this rank's experts are read)."""
+    only this rank's experts are read); `quantization` as
+    `--quantization` (sglite.quantization.resolve), `quant_kernel` as `--quant-kernel`."""
+    from sglite import quantization as quant
+    from sglite.models.gguf.weights import gguf_source, iter_gguf_weights
+
     start = time.perf_counter()
     model_cls = get_model_class(config.architecture)
-    model = model_cls(config, dtype=dtype, device=device, tp_group=tp_group, ep_size=ep_size)
-    weights = iter_weights(path, progress=tp_group.rank == 0, skip=model.skips_tensor)
+    source = gguf_source(path)
+    mode = quant.resolve(quantization, is_gguf=source is not None, device_type=device.type)
+    progress = tp_group.rank == 0
+    if mode == "gguf":
+        from sglite.models.causal_lm import DecoderForCausalLM
+
+        why = "it has no packed form"
+        if issubclass(model_cls, DecoderForCausalLM):
+            why = model_cls.packed_unsupported(config)
+        if why is not None and quantization == "gguf":
+            raise ValueError(
+                f"--quantization gguf: {config.architecture}: {why}; use --quantization none"
+            )
+        if why is not None:
+            logger.info("%s: %s; dequantizing the GGUF at load", config.architecture, why)
+            mode = "none"
+    if mode == "gguf":
+        model = model_cls(
+            config, dtype=dtype, device=device, tp_group=tp_group, ep_size=ep_size, packed=True
+        )
+        quant.set_kernel(model, quant_kernel)
+        weights = iter_gguf_weights(source, packed=True, progress=progress)
+    else:
+        model = model_cls(config, dtype=dtype, device=device, tp_group=tp_group, ep_size=ep_size)
+        if source is not None:
+            weights = iter_gguf_weights(source, packed=False, progress=progress)
+        else:
+            weights = iter_weights(path, progress=progress, skip=model.skips_tensor)
     model.load_weights(weights)
     model.eval()
     logger.info(
-        "loaded the weights (%s, %s) in %.1f s",
+        "loaded the weights (%s, %s%s) in %.1f s",
         config.architecture,
         dtype,
+        ", GGUF blocks kept packed" if mode == "gguf" else "",
         time.perf_counter() - start,
     )
     return model

@@ -126,6 +126,8 @@ def build_scheduler(
         ep_size=args.ep_size,
         dist_init_addr=args.dist_init_addr,
         dist_timeout=args.dist_timeout,
+        quantization=args.quantization,
+        quant_kernel=args.quant_kernel,
     )
     sync = TPSync(runner.tp_group, args.dist_timeout) if args.tp_size > 1 else None
     if tp_rank > 0:  # only rank 0 publishes (and binds) the KV events

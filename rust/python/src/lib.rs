@@ -12,6 +12,7 @@ mod attn;
 mod budget;
 mod convert;
 mod ops;
+mod quant;
 mod tree;
 
 use pyo3::prelude::*;
@@ -36,5 +37,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(ops::rms_norm, m)?)?;
     m.add_function(wrap_pyfunction!(ops::gated_mul, m)?)?;
     m.add_function(wrap_pyfunction!(ops::rope, m)?)?;
+    quant::register(m)?;
     Ok(())
 }

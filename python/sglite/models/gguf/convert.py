@@ -1,13 +1,18 @@
-"""convert_gguf_to_hf: a .gguf file -> a cached HF folder (float32 safetensors, configs,
-tokenizer), built once.
+"""convert_gguf_to_hf: a .gguf file -> a cached HF folder (configs, tokenizer), built once.
 
-The folder is `sglite.env.cache_dir()/gguf/<stem>-<size>-<mtime_ns>-v<CONVERTER_VERSION>`:
-a changed file or converter gets a new folder. It is built under a temporary name and renamed
-into place, so processes starting at the same time never see half a folder (the loser of
-the rename race uses the winner's). Everything that can refuse the file (architecture,
-tensor names and types, metadata, tokenizer) is checked before the first tensor is
-dequantized. Weights are dequantized one tensor at a time and written in shards of at most
-SHARD_BYTES, so memory holds one shard, not the model.
+The folder serves the file: its weights stay in the .gguf, which the scheduler's loader maps
+and reads (packed or dequantized, sglite.models.gguf.weights; the folder names the file in
+`weights.SOURCE_FILE`). `weights=True` builds the other kind, a self-contained HF folder
+with the weights dequantized to float32 safetensors (the reference model of the tests, and a
+way to hand the dequantized model to transformers).
+
+The folder is `sglite.env.cache_dir()/gguf/<stem>-<size>-<mtime_ns>-v<CONVERTER_VERSION>`
+(`-f32` appended with weights): a changed file or converter gets a new folder. It is built
+under a temporary name and renamed into place, so processes starting at the same time never
+see half a folder (the loser of the rename race uses the winner's). Everything that can
+refuse the file (architecture, tensor names and types, metadata, tokenizer) is checked
+before the first tensor is read. Float weights are dequantized one tensor at a time and
+written in shards of at most SHARD_BYTES, so memory holds one shard, not the model.
 """
 
 from __future__ import annotations
@@ -25,11 +30,12 @@ from sglite.models.gguf.archs import TensorPlan, mapping_for, plan_tensors, unpe
 from sglite.models.gguf.hf_config import generation_config, hf_config
 from sglite.models.gguf.reader import GGUFFile
 from sglite.models.gguf.tokenizer import check_tokenizer, write_tokenizer
+from sglite.models.gguf.weights import write_source
 
 logger = logging.getLogger(__name__)
 
 # bump when the folder's content changes for the same file (cached folders are then rebuilt)
-CONVERTER_VERSION = 2
+CONVERTER_VERSION = 3
 SHARD_BYTES = 2 << 30
 _COMPLETE = ".sglite-complete"
 
@@ -39,19 +45,25 @@ def is_gguf_file(path: str | Path) -> bool:
     return p.suffix == ".gguf" and p.is_file()
 
 
-def converted_folder(gguf_path: str | Path, cache_root: Path | None = None) -> Path:
+def converted_folder(
+    gguf_path: str | Path, cache_root: Path | None = None, *, weights: bool = False
+) -> Path:
     """Where `gguf_path`'s converted folder is (or will be) cached."""
     path = Path(gguf_path)
     stat = path.stat()
     stamp = f"{path.stem}-{stat.st_size}-{stat.st_mtime_ns}-v{CONVERTER_VERSION}"
-    return (cache_root or env.cache_dir()) / "gguf" / stamp
+    return (cache_root or env.cache_dir()) / "gguf" / (stamp + ("-f32" if weights else ""))
 
 
-def convert_gguf_to_hf(gguf_path: str | Path, cache_root: Path | None = None) -> Path:
-    """The HF folder of a .gguf file, converted on first use. Raises UnsupportedGGUF (a
-    ValueError naming what is unsupported) for a file it cannot convert."""
+def convert_gguf_to_hf(
+    gguf_path: str | Path, cache_root: Path | None = None, *, weights: bool = False
+) -> Path:
+    """The HF folder of a .gguf file, converted on first use: config and tokenizer, the
+    weights read from the file at load; with `weights`, float32 safetensors of them too.
+    Raises UnsupportedGGUF (a ValueError naming what is unsupported) for a file it cannot
+    convert."""
     gguf_path = Path(gguf_path)
-    out = converted_folder(gguf_path, cache_root)
+    out = converted_folder(gguf_path, cache_root, weights=weights)
     if (out / _COMPLETE).is_file():
         logger.info("using %s converted from %s", out, gguf_path.name)
         return out
@@ -63,7 +75,7 @@ def convert_gguf_to_hf(gguf_path: str | Path, cache_root: Path | None = None) ->
     tmp.mkdir()
     start = time.perf_counter()
     try:
-        _convert(gguf_path, tmp)
+        _convert(gguf_path, tmp, weights)
         (tmp / _COMPLETE).write_text(str(gguf_path))
         try:
             os.rename(tmp, out)
@@ -80,7 +92,7 @@ def convert_gguf_to_hf(gguf_path: str | Path, cache_root: Path | None = None) ->
     return out
 
 
-def _convert(gguf_path: Path, out: Path) -> None:
+def _convert(gguf_path: Path, out: Path, weights: bool) -> None:
     gguf = GGUFFile(gguf_path)
     mapping = mapping_for(gguf)
     gguf.check_tensor_types()
@@ -88,8 +100,9 @@ def _convert(gguf_path: Path, out: Path) -> None:
     config = hf_config(gguf, mapping)
     plans = plan_tensors(gguf, mapping)
     logger.info(
-        "converting %s (GGUF %s -> %s, %d tensors) to an HF folder, once",
+        "converting %s (GGUF %s -> %s, %d tensors) to an HF folder%s, once",
         gguf_path.name, gguf.arch, mapping.hf_architecture, len(plans),
+        " with float32 weights" if weights else "",
     )  # fmt: skip
     logger.info(
         "converting %s: the tokenizer (%d tokens)",
@@ -98,7 +111,10 @@ def _convert(gguf_path: Path, out: Path) -> None:
     template = write_tokenizer(gguf, out, config["max_position_embeddings"])
     _write_json(out / "config.json", config)
     _write_json(out / "generation_config.json", generation_config(gguf, template))
-    write_weights(gguf, plans, out)
+    if weights:
+        write_weights(gguf, plans, out)
+    else:
+        write_source(out, gguf_path)
 
 
 def _write_json(path: Path, value: dict[str, Any]) -> None:

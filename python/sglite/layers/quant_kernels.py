@@ -1,0 +1,195 @@
+"""Launcher of the native CPU kernels for GGUF block-quantized weights (`sglite._core.quant_*`,
+rust/quant): `y = x W^T` and dequantization, W kept as the file's blocks.
+
+A weight is a uint8 tensor `[rows, row_bytes]` of whole blocks, exactly the bytes of a GGUF
+tensor (`quant_formats.row_bytes(qtype, in_features)` per row). Rows may be strided (a
+row-parallel shard is a window of whole blocks of each row: `narrow(1, ...)` of the file's
+rows), the bytes of a row must be contiguous. This module checks that layout contract,
+keeps the tensors alive for each call and runs the kernels on torch's OpenMP team.
+
+Kernels (`KERNELS`): `gemv_int8` and `gemm_int8` round the activations to int8 per 32 values
+and use integer dot products (the GEMV streams W for decode, the GEMM unpacks tiles of W for
+prefill); `gemv` and `gemm_f32` are exact (the weights dequantized to f32 in registers or
+tiles). `None` picks `gemv_int8` up to `gemv_max_rows()` rows, else `gemm_int8` (the fastest
+measured; one rounding of the activations at every batch size). Instruction sets: `isas()`,
+fastest first; `None` is the fastest.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from sglite.layers.quant_formats import QUANT_TYPES, row_bytes
+
+KERNELS = ("gemv", "gemv_int8", "gemm_f32", "gemm_int8")
+
+
+@functools.cache
+def _native():
+    """`sglite._core` when it has the kernels, else None."""
+    try:
+        from sglite import _core
+    except ImportError:
+        return None
+    if not hasattr(_core, "quant_matmul"):
+        return None
+    from sglite.attention.cpu_kernel import share_torch_openmp
+
+    share_torch_openmp()
+    return _core
+
+
+def unavailable_reason() -> str | None:
+    """None when the kernels can run here, else why not."""
+    if _native() is None:
+        return "the native module sglite._core lacks quant_matmul (not built, or older)"
+    return None
+
+
+def isas() -> tuple[str, ...]:
+    """The instruction sets this CPU runs the kernels with, fastest first; () without them."""
+    core = _native()
+    return tuple(core.quant_isas()) if core is not None else ()
+
+
+def gemv_max_rows() -> int:
+    """The most activation rows the automatic choice sends to the GEMV (beyond: the tiles)."""
+    core = _native()
+    return core.GEMV_MAX_ROWS if core is not None else 0
+
+
+def check_weight(qtype: str, weight: torch.Tensor, in_features: int) -> None:
+    """Raise ValueError unless `weight` holds rows of `in_features` weights in `qtype` blocks."""
+    if qtype not in QUANT_TYPES:
+        raise ValueError(f"quant type {qtype!r}: one of {', '.join(QUANT_TYPES)}")
+    need = row_bytes(qtype, in_features)  # raises on a partial block
+    if weight.dtype != torch.uint8 or weight.dim() != 2:
+        raise ValueError(
+            f"{qtype} weight must be 2-D uint8 [rows, bytes], got {weight.dtype} "
+            f"{tuple(weight.shape)}"
+        )
+    if weight.shape[1] != need:
+        raise ValueError(
+            f"{qtype} weight rows have {weight.shape[1]} bytes; {in_features} weights take {need}"
+        )
+    if weight.shape[1] > 1 and weight.stride(1) != 1:
+        raise ValueError(f"{qtype} weight: each row's bytes must be contiguous")
+    if weight.device.type != "cpu":
+        raise ValueError(f"{qtype} weight is on {weight.device}; the native kernels run on CPU")
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """(address, element count from the first to past the last) of a 2-D row-strided view."""
+    rows, width = t.shape
+    count = 0 if rows == 0 else (rows - 1) * t.stride(0) + width
+    return t.data_ptr(), count
+
+
+def _row_stride(t: torch.Tensor) -> int:
+    return t.stride(0) if t.shape[0] > 1 else t.shape[1]
+
+
+class Prepared:
+    """A weight checked once (`check_weight`) for many calls: the layers' path, which then
+    pays one native call per segment and nothing else (a decode step makes hundreds)."""
+
+    def __init__(self, qtype: str, weight: torch.Tensor, in_features: int) -> None:
+        core = _native()
+        if core is None:
+            raise ValueError(unavailable_reason())
+        check_weight(qtype, weight, in_features)
+        self.core, self.weight, self.rows = core, weight, weight.shape[0]
+        self.args = (qtype, _span(weight), self.rows, in_features, _row_stride(weight))
+
+    def run(
+        self,
+        x: torch.Tensor,
+        out: torch.Tensor,
+        col: int,
+        kernel: str | None,
+        num_threads: int,
+        isa: str | None = None,
+    ) -> None:
+        """`out[:, col : col + rows] = x W^T`. The caller guarantees x float32 `[n, in]`
+        contiguous and out float32 `[n, ld]` contiguous, both on the CPU (the native side
+        checks every size again)."""
+        n, ld = out.shape
+        span = (out.data_ptr() + 4 * col, (n - 1) * ld + self.rows if n else 0)
+        x_raw = (x.data_ptr(), x.numel())
+        self.core.quant_matmul(*self.args, x_raw, n, span, ld, isa, kernel, num_threads)
+
+
+def matmul(
+    x: torch.Tensor,
+    qtype: str,
+    weight: torch.Tensor,
+    in_features: int,
+    out: torch.Tensor | None = None,
+    *,
+    isa: str | None = None,
+    kernel: str | None = None,
+    num_threads: int | None = None,
+) -> torch.Tensor:
+    """`x W^T` for x float32 `[n, in_features]` (contiguous). Writes `out` `[n, rows]` (float32,
+    rows of it may be strided: a column slice of a wider output) when given, else a new
+    tensor; returns it."""
+    prepared = Prepared(qtype, weight, in_features)
+    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != in_features:
+        raise ValueError(f"x must be float32 [n, {in_features}], got {x.dtype} {tuple(x.shape)}")
+    if x.device.type != "cpu" or not x.is_contiguous():
+        raise ValueError("x must be a contiguous CPU tensor")
+    rows = prepared.rows
+    if out is None:
+        out = torch.empty((x.shape[0], rows), dtype=torch.float32)
+    elif (
+        out.dtype != torch.float32
+        or out.device.type != "cpu"
+        or out.shape != (x.shape[0], rows)
+        or (rows > 1 and out.stride(1) != 1)
+    ):
+        raise ValueError(
+            f"out must be float32 [{x.shape[0]}, {rows}] on CPU with contiguous rows, got "
+            f"{out.dtype} {tuple(out.shape)}"
+        )
+    if kernel is not None and kernel not in KERNELS:
+        raise ValueError(f"kernel {kernel!r}: one of {', '.join(KERNELS)}")
+    prepared.core.quant_matmul(
+        *prepared.args,
+        (x.data_ptr(), x.numel()),
+        x.shape[0],
+        _span(out),
+        _row_stride(out),
+        isa,
+        kernel,
+        num_threads if num_threads is not None else torch.get_num_threads(),
+    )
+    return out
+
+
+def dequantize(
+    qtype: str,
+    weight: torch.Tensor,
+    in_features: int,
+    *,
+    isa: str | None = None,
+    num_threads: int | None = None,
+) -> torch.Tensor:
+    """The weight as float32 `[rows, in_features]` (each value rounded once, as gguf-py)."""
+    core = _native()
+    if core is None:
+        raise ValueError(unavailable_reason())
+    check_weight(qtype, weight, in_features)
+    out = torch.empty((weight.shape[0], in_features), dtype=torch.float32)
+    core.quant_dequantize(
+        qtype,
+        _span(weight),
+        weight.shape[0],
+        in_features,
+        _row_stride(weight),
+        (out.data_ptr(), out.numel()),
+        isa,
+        num_threads if num_threads is not None else torch.get_num_threads(),
+    )
+    return out

@@ -1,0 +1,134 @@
+//! `sglite._core.quant_*`: the Python face of the `quant` crate (GGUF block-quantized
+//! weights on the CPU: dequantize, GEMV and GEMM).
+//!
+//! As with the attention kernels, tensors cross as `(address, element count)`: the only
+//! caller, `sglite.layers.quant_kernels`, checks device, dtype and contiguity and keeps the
+//! tensors alive for the call. Every size, stride and name is checked here again (a
+//! ValueError, nothing written) before a kernel runs; runs release the GIL.
+
+use pyo3::prelude::*;
+use pyo3::types::PyTuple;
+use quant::{Isa, Kernel, QType, QuantError, Run, Weights};
+
+use crate::attn::Raw;
+use crate::convert::value_error;
+
+fn to_py<T>(r: Result<T, QuantError>) -> PyResult<T> {
+    r.map_err(|e| value_error(e.0))
+}
+
+fn qtype(name: &str) -> PyResult<QType> {
+    QType::from_name(name).ok_or_else(|| {
+        let known: Vec<_> = QType::ALL.iter().map(|t| t.name()).collect();
+        value_error(format!("quant type {name:?}: one of {}", known.join(", ")))
+    })
+}
+
+fn isa(name: Option<&str>) -> PyResult<Isa> {
+    match name {
+        None => Ok(Isa::best()),
+        Some(name) => Isa::from_name(name)
+            .ok_or_else(|| value_error(format!("isa {name:?}: scalar, avx2 or avx512"))),
+    }
+}
+
+fn kernel(name: Option<&str>) -> PyResult<Option<Kernel>> {
+    name.map(|name| {
+        Kernel::from_name(name).ok_or_else(|| {
+            value_error(format!(
+                "kernel {name:?}: gemv, gemv_int8, gemm_f32 or gemm_int8"
+            ))
+        })
+    })
+    .transpose()
+}
+
+/// `y[r, :rows] = x[r] . W^T` for the `n` rows of x `[n, cols]` (f32), W `rows` rows of
+/// `cols` weights in `qtype` blocks, `row_stride` bytes apart; y rows `ld_y` apart.
+/// Returns the kernel's name.
+#[pyfunction]
+#[pyo3(signature = (qtype_name, w, rows, cols, row_stride, x, n, y, ld_y, isa_name, kernel_name, num_threads))]
+#[allow(clippy::too_many_arguments)]
+pub fn quant_matmul(
+    py: Python<'_>,
+    qtype_name: &str,
+    w: (usize, usize),
+    rows: usize,
+    cols: usize,
+    row_stride: usize,
+    x: (usize, usize),
+    n: usize,
+    y: (usize, usize),
+    ld_y: usize,
+    isa_name: Option<&str>,
+    kernel_name: Option<&str>,
+    num_threads: usize,
+) -> PyResult<&'static str> {
+    let (qtype, isa, kernel) = (qtype(qtype_name)?, isa(isa_name)?, kernel(kernel_name)?);
+    let (w, x, y) = (
+        Raw::new("w", w, 1)?,
+        Raw::new("x", x, 4)?,
+        Raw::new("y", y, 4)?,
+    );
+    let run = Run {
+        isa,
+        kernel,
+        threads: num_threads,
+    };
+    // SAFETY: the launcher passes live tensors of these sizes; y overlaps neither input.
+    let ran = py.allow_threads(|| unsafe {
+        let w = Weights::new(qtype, w.slice::<u8>(), rows, cols, row_stride)?;
+        quant::matmul(&w, x.slice::<f32>(), n, y.slice_mut::<f32>(), ld_y, run)
+    });
+    to_py(ran).map(Kernel::name)
+}
+
+/// `out [rows, cols] = W` in f32 (W as in `quant_matmul`).
+#[pyfunction]
+#[pyo3(signature = (qtype_name, w, rows, cols, row_stride, out, isa_name, num_threads))]
+#[allow(clippy::too_many_arguments)]
+pub fn quant_dequantize(
+    py: Python<'_>,
+    qtype_name: &str,
+    w: (usize, usize),
+    rows: usize,
+    cols: usize,
+    row_stride: usize,
+    out: (usize, usize),
+    isa_name: Option<&str>,
+    num_threads: usize,
+) -> PyResult<()> {
+    let (qtype, isa) = (qtype(qtype_name)?, isa(isa_name)?);
+    let (w, out) = (Raw::new("w", w, 1)?, Raw::new("out", out, 4)?);
+    // SAFETY: as in `quant_matmul`.
+    to_py(py.allow_threads(|| unsafe {
+        let w = Weights::new(qtype, w.slice::<u8>(), rows, cols, row_stride)?;
+        quant::dequantize(&w, out.slice_mut::<f32>(), isa, num_threads)
+    }))
+}
+
+/// The instruction sets this CPU runs the kernels with, fastest first.
+#[pyfunction]
+pub fn quant_isas() -> Vec<&'static str> {
+    let mut isas: Vec<_> = Isa::ALL.iter().filter(|i| i.is_available()).collect();
+    isas.reverse();
+    isas.into_iter().map(|i| i.name()).collect()
+}
+
+/// Registers the functions and `QUANT_TYPES` (name -> (block_len, block_bytes, ggml id)).
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(quant_matmul, m)?)?;
+    m.add_function(wrap_pyfunction!(quant_dequantize, m)?)?;
+    m.add_function(wrap_pyfunction!(quant_isas, m)?)?;
+    let types = pyo3::types::PyDict::new(m.py());
+    for t in QType::ALL {
+        let info = (t.block_len(), t.block_bytes(), t.ggml_type());
+        types.set_item(
+            t.name(),
+            PyTuple::new(m.py(), [info.0, info.1, info.2 as usize])?,
+        )?;
+    }
+    m.add("QUANT_TYPES", types)?;
+    m.add("GEMV_MAX_ROWS", quant::GEMV_MAX_ROWS)?;
+    Ok(())
+}

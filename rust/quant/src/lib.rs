@@ -1,0 +1,378 @@
+//! GGUF block-quantized weights on the CPU, used as the file stores them: dequantize, and
+//! `y = x W^T` without ever materialising W in f32.
+//!
+//! Layout contract (checked by `Weights::new` and `matmul`; the Python launcher checks dtypes
+//! and contiguity):
+//! - `W` `[rows, cols]` is `rows` rows of `cols / block_len` blocks each, exactly as in a GGUF
+//!   file (`format`), rows `row_stride` bytes apart (a column shard of a row-parallel layer
+//!   is a window of whole blocks of each row, so `row_stride` may exceed a row's bytes).
+//! - `x` `[n, cols]` f32 row-major; `y` `[n, ld_y]` f32, of which this writes columns
+//!   `0..rows` of each row (so a merged layer's segments write their own column ranges).
+//!
+//! Kernels (`Kernel`), each for AVX-512 (F, BW, VL and VNNI), AVX2 (with FMA and F16C) and
+//! portable code (`Isa`), chosen at run time or forced (tests run every path the CPU has):
+//! - `Gemv`: the decode case. Rows of W are read once, each block decoded to f32 in registers
+//!   and multiplied into all `n` rows of `x`: memory-bound, it streams W.
+//! - `GemvInt8`: as `Gemv`, but `x` is first quantized to int8 per 32 values (`act`), and the
+//!   block's levels meet it in integer dot products (`vpdpbusd`, or `pmaddubsw` on AVX2).
+//! - `GemmInt8`: prefill and large batches. A tile of 32 rows of W is unpacked once into the
+//!   layout of the integer dot product (4 levels of 32 rows per 128 bytes) and every row of
+//!   the int8 `x` meets it: compute-bound, 4 multiply-adds per lane and instruction.
+//! - `GemmF32`: the same tiling with the tile dequantized to f32 and an f32 micro-kernel.
+//!
+//! The int8 kernels compute the exact product with the activations rounded to int8 (one
+//! scale per 32 values); the f32 ones the product with the exact dequantized weights.
+//! Work is split by rows of W across threads of `cpu_attn::pool` (torch's OpenMP team).
+
+mod act;
+pub mod format;
+mod scalar;
+#[cfg(test)]
+mod tests;
+#[cfg(target_arch = "x86_64")]
+mod x86;
+
+use std::fmt;
+
+pub use format::{decode_block, f16_to_f32, Group, QType};
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct QuantError(pub String);
+
+impl fmt::Display for QuantError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for QuantError {}
+
+fn err<T>(msg: String) -> Result<T, QuantError> {
+    Err(QuantError(msg))
+}
+
+/// An instruction set the kernels are compiled for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Isa {
+    Scalar,
+    Avx2,
+    Avx512,
+}
+
+impl Isa {
+    pub const ALL: [Isa; 3] = [Isa::Scalar, Isa::Avx2, Isa::Avx512];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Isa::Scalar => "scalar",
+            Isa::Avx2 => "avx2",
+            Isa::Avx512 => "avx512",
+        }
+    }
+
+    pub fn from_name(name: &str) -> Option<Isa> {
+        Isa::ALL.into_iter().find(|i| i.name() == name)
+    }
+
+    /// Whether this CPU has the features the kernels of `self` use.
+    pub fn is_available(self) -> bool {
+        match self {
+            Isa::Scalar => true,
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => x86::has_avx2(),
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => x86::has_avx512(),
+            #[cfg(not(target_arch = "x86_64"))]
+            _ => false,
+        }
+    }
+
+    /// The fastest instruction set this CPU has.
+    pub fn best() -> Isa {
+        [Isa::Avx512, Isa::Avx2]
+            .into_iter()
+            .find(|i| i.is_available())
+            .unwrap_or(Isa::Scalar)
+    }
+}
+
+/// The loop structure (see the module doc).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kernel {
+    Gemv,
+    GemvInt8,
+    GemmF32,
+    GemmInt8,
+}
+
+impl Kernel {
+    pub const ALL: [Kernel; 4] = [
+        Kernel::Gemv,
+        Kernel::GemvInt8,
+        Kernel::GemmF32,
+        Kernel::GemmInt8,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Kernel::Gemv => "gemv",
+            Kernel::GemvInt8 => "gemv_int8",
+            Kernel::GemmF32 => "gemm_f32",
+            Kernel::GemmInt8 => "gemm_int8",
+        }
+    }
+
+    pub fn from_name(name: &str) -> Option<Kernel> {
+        Kernel::ALL.into_iter().find(|k| k.name() == name)
+    }
+
+    /// The measured choice for `n` rows of activations (benches/bench_quant_kernels.py; one
+    /// core, 4096x4096 streamed from DRAM): up to `GEMV_MAX_ROWS` rows the GEMV (int8: at one
+    /// row 15 vs 13 GB/s for f32 on Q4_K, 14 vs 12 on Q6_K; equal at four), beyond it the
+    /// int8 tiles (8 rows: 2.2 ms vs 4.8 for the GEMV; 370 vs 160 GFLOP/s for the f32 tiles
+    /// at 128 rows). Both round the activations alike, so a row's result does not depend on
+    /// the batch it came in (up to f32 summation order); `Gemv` and `GemmF32` are the exact
+    /// kernels, for when that rounding is not wanted.
+    pub fn auto(n: usize) -> Kernel {
+        if n <= GEMV_MAX_ROWS {
+            Kernel::GemvInt8
+        } else {
+            Kernel::GemmInt8
+        }
+    }
+}
+
+/// The most activation rows `Kernel::auto` sends to the GEMV.
+pub const GEMV_MAX_ROWS: usize = 4;
+
+/// A quantized weight matrix borrowed from the file's bytes (see the module doc).
+#[derive(Clone, Copy, Debug)]
+pub struct Weights<'a> {
+    pub qtype: QType,
+    pub rows: usize,
+    pub cols: usize,
+    pub row_stride: usize,
+    data: &'a [u8],
+}
+
+impl<'a> Weights<'a> {
+    pub fn new(
+        qtype: QType,
+        data: &'a [u8],
+        rows: usize,
+        cols: usize,
+        row_stride: usize,
+    ) -> Result<Self, QuantError> {
+        let block = qtype.block_len();
+        if cols == 0 || !cols.is_multiple_of(block) {
+            return err(format!(
+                "in_features={cols} is not a positive multiple of {}'s block of {block}",
+                qtype.name()
+            ));
+        }
+        let row_bytes = qtype.row_bytes(cols);
+        if row_stride < row_bytes {
+            return err(format!(
+                "row stride {row_stride} is less than a row's {row_bytes} bytes"
+            ));
+        }
+        let need = match rows {
+            0 => Some(0),
+            _ => (rows - 1)
+                .checked_mul(row_stride)
+                .and_then(|b| b.checked_add(row_bytes)),
+        };
+        match need {
+            Some(need) if need <= data.len() => Ok(Weights {
+                qtype,
+                rows,
+                cols,
+                row_stride,
+                data,
+            }),
+            _ => err(format!(
+                "{rows} rows of {row_bytes} bytes, {row_stride} apart, need more than the \
+                 {} bytes given",
+                data.len()
+            )),
+        }
+    }
+
+    pub fn row_bytes(&self) -> usize {
+        self.qtype.row_bytes(self.cols)
+    }
+
+    /// Row `r`'s blocks.
+    pub fn row(&self, r: usize) -> &'a [u8] {
+        &self.data[r * self.row_stride..][..self.row_bytes()]
+    }
+
+    pub fn num_blocks(&self) -> usize {
+        self.cols / self.qtype.block_len()
+    }
+}
+
+/// How to run a call: the instruction set (which must be available), the kernel (`None`:
+/// `Kernel::auto`) and the most threads.
+#[derive(Clone, Copy, Debug)]
+pub struct Run {
+    pub isa: Isa,
+    pub kernel: Option<Kernel>,
+    pub threads: usize,
+}
+
+/// The output rows a kernel writes; each task writes its own rows of W's columns.
+#[derive(Clone, Copy)]
+pub(crate) struct OutPtr(pub *mut f32);
+
+// SAFETY: tasks write disjoint columns of `y` (their own rows of W); see `matmul`.
+unsafe impl Send for OutPtr {}
+unsafe impl Sync for OutPtr {}
+
+/// One call's operands, checked: `y[r * ld_y + o] = x[r] . W[o]`.
+#[derive(Clone, Copy)]
+pub(crate) struct Problem<'a> {
+    pub w: Weights<'a>,
+    pub x: &'a [f32],
+    pub n: usize,
+    pub y: OutPtr,
+    pub ld_y: usize,
+}
+
+fn check_isa(isa: Isa) -> Result<(), QuantError> {
+    if isa.is_available() {
+        Ok(())
+    } else {
+        err(format!("this CPU lacks the {} instruction set", isa.name()))
+    }
+}
+
+/// `y[:, :rows] = x W^T` (module doc). Returns the kernel that ran.
+pub fn matmul(
+    w: &Weights<'_>,
+    x: &[f32],
+    n: usize,
+    y: &mut [f32],
+    ld_y: usize,
+    run: Run,
+) -> Result<Kernel, QuantError> {
+    check_isa(run.isa)?;
+    if n.checked_mul(w.cols) != Some(x.len()) {
+        return err(format!(
+            "x has {} values, not n * in_features = {n} * {}",
+            x.len(),
+            w.cols
+        ));
+    }
+    let y_need = match n {
+        0 => Some(0),
+        _ => (n - 1)
+            .checked_mul(ld_y)
+            .and_then(|v| v.checked_add(w.rows)),
+    };
+    if ld_y < w.rows || y_need.is_none_or(|need| y.len() < need) {
+        return err(format!(
+            "y ({} values, rows {ld_y} apart) cannot hold {n} rows of {} outputs",
+            y.len(),
+            w.rows
+        ));
+    }
+    let kernel = run.kernel.unwrap_or_else(|| Kernel::auto(n));
+    if n == 0 || w.rows == 0 {
+        return Ok(kernel);
+    }
+    let p = Problem {
+        w: *w,
+        x,
+        n,
+        y: OutPtr(y.as_mut_ptr()),
+        ld_y,
+    };
+    let threads = run.threads.max(1);
+    match kernel {
+        Kernel::Gemv | Kernel::GemvInt8 => gemv(&p, kernel, run.isa, threads),
+        Kernel::GemmF32 | Kernel::GemmInt8 => gemm(&p, kernel, run.isa, threads),
+    }
+    Ok(kernel)
+}
+
+/// Rows of W per GEMV task: enough tasks to balance the threads, each long enough to stream.
+fn gemv_task_rows(rows: usize, threads: usize) -> usize {
+    rows.div_ceil(threads * 8).clamp(4, 64)
+}
+
+fn gemv(p: &Problem<'_>, kernel: Kernel, isa: Isa, threads: usize) {
+    let acts = (kernel == Kernel::GemvInt8).then(|| act::Acts::quantize(p.x, p.n, p.w.cols));
+    let step = gemv_task_rows(p.w.rows, threads);
+    let tasks = p.w.rows.div_ceil(step);
+    cpu_attn::pool::for_each(tasks, threads, &|t| {
+        let rows = t * step..((t + 1) * step).min(p.w.rows);
+        // SAFETY: `p` was checked in `matmul`, `isa` is available, and task `t` alone writes
+        // columns `rows` of y.
+        unsafe {
+            match (&acts, isa) {
+                #[cfg(target_arch = "x86_64")]
+                (None, Isa::Avx512 | Isa::Avx2) => x86::gemv_f32(p, rows, isa),
+                #[cfg(target_arch = "x86_64")]
+                (Some(a), Isa::Avx512 | Isa::Avx2) => x86::gemv_int8(p, a, rows, isa),
+                (None, _) => scalar::gemv_f32(p, rows),
+                (Some(a), _) => scalar::gemv_int8(p, a, rows),
+            }
+        }
+    });
+}
+
+fn gemm(p: &Problem<'_>, kernel: Kernel, isa: Isa, threads: usize) {
+    let acts = (kernel == Kernel::GemmInt8).then(|| act::Acts::quantize(p.x, p.n, p.w.cols));
+    let tiles = p.w.rows.div_ceil(TILE_ROWS);
+    cpu_attn::pool::for_each(tiles, threads, &|t| {
+        let rows = t * TILE_ROWS..((t + 1) * TILE_ROWS).min(p.w.rows);
+        // SAFETY: as in `gemv`.
+        unsafe {
+            match (&acts, isa) {
+                #[cfg(target_arch = "x86_64")]
+                (None, Isa::Avx512 | Isa::Avx2) => x86::gemm_f32(p, rows, isa),
+                #[cfg(target_arch = "x86_64")]
+                (Some(a), Isa::Avx512 | Isa::Avx2) => x86::gemm_int8(p, a, rows, isa),
+                (None, _) => scalar::gemv_f32(p, rows),
+                (Some(a), _) => scalar::gemv_int8(p, a, rows),
+            }
+        }
+    });
+}
+
+/// Rows of W in one tile of the GEMM kernels (two 16-lane vectors of outputs).
+pub(crate) const TILE_ROWS: usize = 32;
+
+/// `out[r * cols + c] = W[r, c]` for all rows, in f32 (rounded once from the exact value, as
+/// llama.cpp and gguf-py do).
+pub fn dequantize(
+    w: &Weights<'_>,
+    out: &mut [f32],
+    isa: Isa,
+    threads: usize,
+) -> Result<(), QuantError> {
+    check_isa(isa)?;
+    if w.rows.checked_mul(w.cols) != Some(out.len()) {
+        return err(format!(
+            "out has {} values, not rows * in_features = {} * {}",
+            out.len(),
+            w.rows,
+            w.cols
+        ));
+    }
+    let out = &OutPtr(out.as_mut_ptr());
+    let step = gemv_task_rows(w.rows, threads.max(1));
+    cpu_attn::pool::for_each(w.rows.div_ceil(step), threads.max(1), &|t| {
+        for r in t * step..((t + 1) * step).min(w.rows) {
+            // SAFETY: row r of `out` (checked length) is written by this task alone.
+            let dst = unsafe { std::slice::from_raw_parts_mut(out.0.add(r * w.cols), w.cols) };
+            match isa {
+                #[cfg(target_arch = "x86_64")]
+                Isa::Avx512 | Isa::Avx2 => unsafe { x86::dequantize_row(w, r, dst) },
+                _ => scalar::dequantize_row(w, r, dst),
+            }
+        }
+    });
+    Ok(())
+}

@@ -1,0 +1,185 @@
+//! Every kernel, on every instruction set this CPU has, against the float64 reference: odd
+//! row counts (tiles and SIMD blocks with remainders), 1 to 9 rows of x and more (register
+//! blocks with remainders), one to several blocks per row, strided rows, 1 and 2 threads.
+
+use super::{random_weights, random_x, reference, row_groups, Reference, Rng};
+use crate::act::Acts;
+use crate::format::QType;
+use crate::{matmul, Isa, Kernel, Run, Weights};
+
+fn isas() -> Vec<Isa> {
+    Isa::ALL.into_iter().filter(|i| i.is_available()).collect()
+}
+
+fn is_int8(kernel: Kernel) -> bool {
+    matches!(kernel, Kernel::GemvInt8 | Kernel::GemmInt8)
+}
+
+/// Runs one case; checks against the reference; returns the worst error / bound.
+#[allow(clippy::too_many_arguments)]
+fn check(
+    qtype: QType,
+    rows: usize,
+    cols: usize,
+    n: usize,
+    kernel: Kernel,
+    isa: Isa,
+    threads: usize,
+    rng: &mut Rng,
+) -> f64 {
+    let stride = qtype.row_bytes(cols) + qtype.block_bytes() * (rows % 2); // strided when odd
+    let mut data = random_weights(
+        qtype,
+        rows,
+        stride / qtype.block_bytes() * qtype.block_len(),
+        rng,
+    );
+    data.truncate(rows * stride);
+    let w = Weights::new(qtype, &data, rows, cols, stride).unwrap();
+    // The reference reads dense rows.
+    let dense: Vec<u8> = (0..rows).flat_map(|r| w.row(r).to_vec()).collect();
+    let x = random_x(n, cols, rng);
+    let ld_y = rows + 3;
+    let mut y = vec![f32::NAN; n * ld_y];
+    let run = Run {
+        isa,
+        kernel: Some(kernel),
+        threads,
+    };
+    assert_eq!(matmul(&w, &x, n, &mut y, ld_y, run).unwrap(), kernel);
+    let acts = is_int8(kernel).then(|| Acts::quantize(&x, n, cols));
+    let Reference { exact, bound } = reference(qtype, &dense, rows, cols, &x, n, acts.as_ref());
+    let truth = acts
+        .as_ref()
+        .map(|_| reference(qtype, &dense, rows, cols, &x, n, None));
+    let case = format!(
+        "{} {rows}x{cols} n={n} {} {}",
+        qtype.name(),
+        kernel.name(),
+        isa.name()
+    );
+    let mut worst = 0f64;
+    for r in 0..n {
+        for o in 0..rows {
+            let got = f64::from(y[r * ld_y + o]);
+            let (want, tol) = (exact[r * rows + o], bound[r * rows + o]);
+            assert!(
+                (got - want).abs() <= tol,
+                "{case}: y[{r},{o}] = {got}, want {want} +- {tol}"
+            );
+            worst = worst.max((got - want).abs() / tol);
+            if let (Some(truth), Some(acts)) = (&truth, &acts) {
+                let rounding = activation_rounding(qtype, &dense, o, cols, &x, r, acts);
+                let want = truth.exact[r * rows + o];
+                let tol = truth.bound[r * rows + o] + tol + rounding;
+                assert!(
+                    (got - want).abs() <= tol,
+                    "{case}: vs exact x: {got} vs {want} +- {tol}"
+                );
+            }
+        }
+        for pad in rows..ld_y {
+            assert!(y[r * ld_y + pad].is_nan(), "{case}: wrote past its columns");
+        }
+    }
+    worst
+}
+
+/// `sum |w| * |x - x_rounded|` over row `o` of W and row `r` of x.
+fn activation_rounding(
+    qtype: QType,
+    dense: &[u8],
+    o: usize,
+    cols: usize,
+    x: &[f32],
+    r: usize,
+    acts: &Acts,
+) -> f64 {
+    let row_bytes = qtype.row_bytes(cols);
+    let groups = row_groups(qtype, &dense[o * row_bytes..][..row_bytes], cols);
+    let mut sum = 0f64;
+    for c in 0..cols {
+        let w = f64::from(groups[c / 32].weight(c % 32, qtype.is_signed()));
+        let rounded = f64::from(acts.scale[(r * cols + c) / 32]) * f64::from(acts.q[r * cols + c]);
+        sum += w.abs() * (f64::from(x[r * cols + c]) - rounded).abs();
+    }
+    sum
+}
+
+#[test]
+fn every_kernel_every_isa_every_format() {
+    let mut rng = Rng::new(11);
+    for qtype in QType::ALL {
+        let block = qtype.block_len();
+        let shapes: &[(usize, usize)] = if block == 32 {
+            &[(1, 32), (17, 64), (33, 96), (40, 160)]
+        } else {
+            &[(1, 256), (17, 512), (33, 256), (5, 768)]
+        };
+        for &(rows, cols) in shapes {
+            for kernel in Kernel::ALL {
+                for isa in isas() {
+                    for n in [1, 2, 3, 5, 8, 9, 13] {
+                        check(qtype, rows, cols, n, kernel, isa, 1 + n % 2, &mut rng);
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn every_row_count_one_to_nine_on_the_best_isa() {
+    let mut rng = Rng::new(12);
+    let isa = Isa::best();
+    for qtype in [QType::Q4_0, QType::Q6K, QType::Q8_0] {
+        for n in 1..=9 {
+            for kernel in Kernel::ALL {
+                check(
+                    qtype,
+                    35,
+                    qtype.block_len() * 2,
+                    n,
+                    kernel,
+                    isa,
+                    2,
+                    &mut rng,
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn large_batches_cover_every_tile_remainder() {
+    let mut rng = Rng::new(13);
+    for isa in isas() {
+        for n in [16, 21, 31] {
+            for kernel in [Kernel::GemmF32, Kernel::GemmInt8] {
+                check(QType::Q4K, 70, 512, n, kernel, isa, 2, &mut rng);
+                check(QType::Q5_1, 70, 1024 + 32, n, kernel, isa, 2, &mut rng);
+            }
+        }
+    }
+}
+
+#[test]
+fn auto_picks_the_gemv_for_decode_and_the_tiles_beyond() {
+    assert_eq!(Kernel::auto(1), Kernel::GemvInt8);
+    assert_eq!(Kernel::auto(crate::GEMV_MAX_ROWS), Kernel::GemvInt8);
+    assert_eq!(Kernel::auto(crate::GEMV_MAX_ROWS + 1), Kernel::GemmInt8);
+}
+
+#[test]
+fn unavailable_isa_is_an_error_not_a_crash() {
+    let data = vec![0u8; 34];
+    let w = Weights::new(QType::Q8_0, &data, 1, 32, 34).unwrap();
+    for isa in Isa::ALL.into_iter().filter(|i| !i.is_available()) {
+        let run = Run {
+            isa,
+            kernel: None,
+            threads: 1,
+        };
+        assert!(matmul(&w, &[0.0; 32], 1, &mut [0.0], 1, run).is_err());
+    }
+}

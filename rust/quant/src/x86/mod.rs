@@ -1,0 +1,233 @@
+//! The x86 kernels: feature checks, and the entry points that pick the format's decoder and
+//! the register blocking for `n`, compiled once per instruction set (`#[target_feature]`
+//! functions, generic over the format and the blocking).
+
+mod decode;
+mod gemm;
+mod gemv;
+mod simd;
+
+use std::ops::Range;
+
+use decode::{with_fmt, Fmt};
+use simd::{Avx2, Avx512, F32Lanes, IntLanes, Madd, Vnni};
+
+use crate::act::Acts;
+use crate::{Isa, Problem, Weights, TILE_ROWS};
+
+pub(crate) fn has_avx2() -> bool {
+    std::arch::is_x86_feature_detected!("avx2")
+        && std::arch::is_x86_feature_detected!("fma")
+        && std::arch::is_x86_feature_detected!("f16c")
+}
+
+pub(crate) fn has_avx512() -> bool {
+    has_avx2()
+        && std::arch::is_x86_feature_detected!("avx512f")
+        && std::arch::is_x86_feature_detected!("avx512bw")
+        && std::arch::is_x86_feature_detected!("avx512vl")
+        && std::arch::is_x86_feature_detected!("avx512vnni")
+}
+
+/// Calls `$f::<..., N, ...>` for `$n` in 1..=8 (`$n` is at most 8).
+macro_rules! with_n {
+    ($n:expr, $N:ident => $body:expr) => {
+        match $n {
+            1 => {
+                const $N: usize = 1;
+                $body
+            }
+            2 => {
+                const $N: usize = 2;
+                $body
+            }
+            3 => {
+                const $N: usize = 3;
+                $body
+            }
+            4 => {
+                const $N: usize = 4;
+                $body
+            }
+            5 => {
+                const $N: usize = 5;
+                $body
+            }
+            6 => {
+                const $N: usize = 6;
+                $body
+            }
+            7 => {
+                const $N: usize = 7;
+                $body
+            }
+            _ => {
+                const $N: usize = 8;
+                $body
+            }
+        }
+    };
+}
+
+macro_rules! avx512 {
+    ($(#[$doc:meta])* fn $name:ident<$($g:ident: $b:path),*; $(const $c:ident: usize),*>($($arg:ident: $ty:ty),*) $body:block) => {
+        $(#[$doc])*
+        #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+        unsafe fn $name<$($g: $b,)* $(const $c: usize,)*>($($arg: $ty),*) $body
+    };
+}
+
+macro_rules! avx2 {
+    ($(#[$doc:meta])* fn $name:ident<$($g:ident: $b:path),*; $(const $c:ident: usize),*>($($arg:ident: $ty:ty),*) $body:block) => {
+        $(#[$doc])*
+        #[target_feature(enable = "avx2,fma,f16c")]
+        unsafe fn $name<$($g: $b,)* $(const $c: usize,)*>($($arg: $ty),*) $body
+    };
+}
+
+avx512! { fn gemv_f32_512<F: Fmt; const N: usize>(p: &Problem<'_>, rows: Range<usize>, x0: usize) {
+    gemv::gemv_f32::<Avx512, F, N>(p, rows, x0)
+}}
+avx2! { fn gemv_f32_256<F: Fmt; const N: usize>(p: &Problem<'_>, rows: Range<usize>, x0: usize) {
+    gemv::gemv_f32::<Avx2, F, N>(p, rows, x0)
+}}
+avx512! { fn gemv_int8_512<F: Fmt; const N: usize>(p: &Problem<'_>, a: &Acts, rows: Range<usize>, x0: usize) {
+    gemv::gemv_int8::<Vnni, F, N>(p, a, rows, x0)
+}}
+avx2! { fn gemv_int8_256<F: Fmt; const N: usize>(p: &Problem<'_>, a: &Acts, rows: Range<usize>, x0: usize) {
+    gemv::gemv_int8::<Madd, F, N>(p, a, rows, x0)
+}}
+
+/// SAFETY: `p` checked by `matmul`, `isa` available (AVX2 or AVX-512), no other thread
+/// writes columns `rows` of y.
+pub(crate) unsafe fn gemv_f32(p: &Problem<'_>, rows: Range<usize>, isa: Isa) {
+    let mut x0 = 0;
+    while x0 < p.n {
+        let n = (p.n - x0).min(gemv::MAX_N);
+        with_fmt!(p.w.qtype, F => with_n!(n, N => {
+            if isa == Isa::Avx512 {
+                gemv_f32_512::<F, N>(p, rows.clone(), x0)
+            } else {
+                gemv_f32_256::<F, N>(p, rows.clone(), x0)
+            }
+        }));
+        x0 += n;
+    }
+}
+
+/// SAFETY: as `gemv_f32`; `acts` quantizes `p.x`.
+pub(crate) unsafe fn gemv_int8(p: &Problem<'_>, acts: &Acts, rows: Range<usize>, isa: Isa) {
+    let mut x0 = 0;
+    while x0 < p.n {
+        let n = (p.n - x0).min(gemv::MAX_N);
+        with_fmt!(p.w.qtype, F => with_n!(n, N => {
+            if isa == Isa::Avx512 {
+                gemv_int8_512::<F, N>(p, acts, rows.clone(), x0)
+            } else {
+                gemv_int8_256::<F, N>(p, acts, rows.clone(), x0)
+            }
+        }));
+        x0 += n;
+    }
+}
+
+/// The tile's rows of x `MR` at a time, the rest in one smaller block.
+#[inline(always)]
+unsafe fn int8_rows<L: IntLanes, const HALVES: bool, const MR: usize>(
+    p: &Problem<'_>,
+    tile: &gemm::Int8Tile,
+    acts: &Acts,
+    out: &mut [f32],
+) {
+    let mut x0 = 0;
+    while x0 + MR <= p.n {
+        gemm::tile_int8::<L, HALVES, MR>(p, tile, acts, x0, out);
+        x0 += MR;
+    }
+    with_n!(p.n - x0, N => {
+        if N < MR && x0 < p.n {
+            gemm::tile_int8::<L, HALVES, N>(p, tile, acts, x0, out)
+        }
+    });
+}
+
+#[inline(always)]
+unsafe fn gemm_int8_body<L: IntLanes, F: Fmt, const MR: usize>(
+    p: &Problem<'_>,
+    acts: &Acts,
+    rows: Range<usize>,
+) {
+    let mut out = vec![0f32; p.n * TILE_ROWS];
+    // The thread's own tile, by pointer: a closure (`with_borrow_mut`) would not be inlined
+    // into this function and would run without its target features (10x slower).
+    // SAFETY: nothing else on this thread touches the tile during the call (no re-entry).
+    let tile = &mut *gemm::TILE.with(|t| t.as_ptr());
+    gemm::pack_int8::<L, F>(p, rows.clone(), tile);
+    if F::HALVES {
+        int8_rows::<L, true, MR>(p, tile, acts, &mut out);
+    } else {
+        int8_rows::<L, false, MR>(p, tile, acts, &mut out);
+    }
+    gemm::write_out(p, rows, &out);
+}
+
+avx512! { fn gemm_int8_512<F: Fmt;>(p: &Problem<'_>, acts: &Acts, rows: Range<usize>) {
+    gemm_int8_body::<Vnni, F, 4>(p, acts, rows)
+}}
+avx2! { fn gemm_int8_256<F: Fmt;>(p: &Problem<'_>, acts: &Acts, rows: Range<usize>) {
+    gemm_int8_body::<Madd, F, 2>(p, acts, rows)
+}}
+
+/// SAFETY: as `gemv_int8`; `rows` is one tile (at most 32 rows).
+pub(crate) unsafe fn gemm_int8(p: &Problem<'_>, acts: &Acts, rows: Range<usize>, isa: Isa) {
+    with_fmt!(p.w.qtype, F => if isa == Isa::Avx512 {
+        gemm_int8_512::<F>(p, acts, rows)
+    } else {
+        gemm_int8_256::<F>(p, acts, rows)
+    })
+}
+
+#[inline(always)]
+unsafe fn gemm_f32_body<L: F32Lanes, F: Fmt, const MR: usize>(p: &Problem<'_>, rows: Range<usize>) {
+    let cols = p.w.cols;
+    let mut panel = vec![0f32; gemm::KC.min(cols) * TILE_ROWS];
+    let mut out = vec![0f32; p.n * TILE_ROWS];
+    let mut k0 = 0;
+    while k0 < cols {
+        let kc = gemm::KC.min(cols - k0);
+        gemm::pack_f32::<L, F>(p, rows.clone(), k0, kc, &mut panel);
+        let mut x0 = 0;
+        while x0 + MR <= p.n {
+            gemm::tile_f32::<L, MR>(p, &panel, k0, kc, x0, &mut out);
+            x0 += MR;
+        }
+        with_n!(p.n - x0, N => {
+            if N < MR && x0 < p.n {
+                gemm::tile_f32::<L, N>(p, &panel, k0, kc, x0, &mut out)
+            }
+        });
+        k0 += kc;
+    }
+    gemm::write_out(p, rows, &out);
+}
+
+avx512! { fn gemm_f32_512<F: Fmt;>(p: &Problem<'_>, rows: Range<usize>) {
+    gemm_f32_body::<Avx512, F, 6>(p, rows)
+}}
+avx2! { fn gemm_f32_256<F: Fmt;>(p: &Problem<'_>, rows: Range<usize>) {
+    gemm_f32_body::<Avx2, F, 2>(p, rows)
+}}
+
+/// SAFETY: as `gemm_int8`.
+pub(crate) unsafe fn gemm_f32(p: &Problem<'_>, rows: Range<usize>, isa: Isa) {
+    with_fmt!(p.w.qtype, F => if isa == Isa::Avx512 {
+        gemm_f32_512::<F>(p, rows)
+    } else {
+        gemm_f32_256::<F>(p, rows)
+    })
+}
+
+/// SAFETY: AVX2, FMA and F16C available; `out` holds `w.cols` values.
+pub(crate) unsafe fn dequantize_row(w: &Weights<'_>, r: usize, out: &mut [f32]) {
+    with_fmt!(w.qtype, F => decode::dequantize_row::<F>(w, r, out))
+}
