@@ -58,7 +58,7 @@ def model_path(name: str) -> str:
 
 
 # ---------------------------------------------------------------------- sglite (child)
-def sglite_child(path: str, threads: int) -> dict:
+def sglite_child(path: str, threads: int, kv_cache_dtype: str = "auto") -> dict:
     import torch
 
     from sglite.bench_one_batch import run_one_batch
@@ -67,7 +67,10 @@ def sglite_child(path: str, threads: int) -> dict:
     torch.set_num_threads(threads)
     tokens = max(b * (p + o) for b, (p, o) in SHAPES.items()) + 64
     start = time.perf_counter()
-    runner = ModelRunner(path, device="cpu", max_total_tokens=tokens, max_running_requests=16)
+    runner = ModelRunner(
+        path, device="cpu", max_total_tokens=tokens, max_running_requests=16,
+        kv_cache_dtype=kv_cache_dtype,
+    )  # fmt: skip
     load_s = time.perf_counter() - start
     mem = _status()
     weight_bytes = sum(m.packed.nbytes for m in runner.model.modules() if hasattr(m, "packed"))
@@ -89,8 +92,9 @@ def sglite_child(path: str, threads: int) -> dict:
     return out
 
 
-def run_sglite(path: str, threads: int) -> dict:
+def run_sglite(path: str, threads: int, kv_cache_dtype: str = "auto") -> dict:
     code = [sys.executable, __file__, "--child", path, "--threads", str(threads)]
+    code += ["--kv-cache-dtype", kv_cache_dtype]
     proc = subprocess.run(code, capture_output=True, text=True, timeout=3600)
     if proc.returncode != 0:
         raise RuntimeError(proc.stderr[-3000:])
@@ -196,9 +200,10 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--out", type=Path, default=Path("bench_results"))
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--kv-cache-dtype", default="auto", help="sglite's KV pool dtype (the RSS)")
     args = p.parse_args()
     if args.child:
-        print(json.dumps(sglite_child(args.child, args.threads)))
+        print(json.dumps(sglite_child(args.child, args.threads, args.kv_cache_dtype)))
         return
     report = {"load_avg_start": os.getloadavg(), "threads": args.threads, "models": {}}
     report["gemv"] = gemv_bandwidth(args.threads)
@@ -207,7 +212,7 @@ def main() -> None:
           f"{g['copy_gbs']:.1f} GB/s ({100 * g['gemv_q4k_gbs'] / g['copy_gbs']:.0f}%)")  # fmt: skip
     for name in args.models.split(","):
         path = model_path(name)
-        row = {"sglite": run_sglite(path, args.threads)}
+        row = {"sglite": run_sglite(path, args.threads, args.kv_cache_dtype)}
         if args.llama_server:
             from sglite.models.gguf import GGUFFile
 
