@@ -35,14 +35,11 @@ from sglite.ipc import AsyncReceiver, IpcNames
 from sglite.messages import (
     AbortReq,
     BatchTextOutput,
-    FlushCacheReq,
-    FlushCacheResp,
     GenerateReq,
-    GetStatsReq,
-    StatsResp,
 )
 from sglite.scheduler.watchdog import Heartbeat, stall_threshold
-from sglite.server.dp_dispatcher import Dispatcher, merge_flush, merge_stats
+from sglite.server.control_requests import CONTROL_REPLIES, ControlRequests
+from sglite.server.dp_dispatcher import Dispatcher
 from sglite.server.errors import QueueFullError, RequestError
 from sglite.server.inputs import InputProcessor, Prompt
 from sglite.server.limits import RequestLimits
@@ -53,11 +50,10 @@ from sglite.server.request_log import create_request_log
 
 logger = logging.getLogger(__name__)
 
-CONTROL_TIMEOUT_S = 10.0
 SEND_RETRY_S = 2.0  # the scheduler's connection may still be settling right after start-up
 
 
-class TokenizerManager:
+class TokenizerManager(ControlRequests):
     """The main process's side of the scheduler/detokenizer pipeline (see module doc)."""
 
     def __init__(
@@ -105,9 +101,7 @@ class TokenizerManager:
         self.dp_size = self.dispatcher.num_replicas
         # one queue per (reply type, replica): each replica answers in the order it was asked
         self._waiters: dict[tuple[type, int], deque[asyncio.Future]] = {
-            (kind, rank): deque()
-            for kind in (FlushCacheResp, StatsResp)
-            for rank in range(self.dp_size)
+            (kind, rank): deque() for kind in CONTROL_REPLIES for rank in range(self.dp_size)
         }
         self.token_texts = TokenTexts(tokenizer)  # log-prob entries' token texts
         self._recv_task: asyncio.Task | None = None
@@ -372,30 +366,3 @@ class TokenizerManager:
             self._finish_here(rid, {"type": "abort", "message": "aborted"})
         with contextlib.suppress(zmq.Again):
             self._send(AbortReq(rid=rid, message=message, exact=True))
-
-    # ------------------------------------------------------------------ control
-    async def _control(self, req: Any, reply_type: type) -> list[Any]:
-        """Ask every replica; their replies in replica order."""
-        loop = asyncio.get_running_loop()
-        futs = [loop.create_future() for _ in range(self.dp_size)]
-        for rank, fut in enumerate(futs):
-            self._waiters[(reply_type, rank)].append(fut)
-        try:
-            await self._send_retrying(req)
-            return await asyncio.wait_for(asyncio.gather(*futs), CONTROL_TIMEOUT_S)
-        except TimeoutError:
-            raise RequestError("the scheduler did not answer in time", 503) from None
-
-    async def get_replica_stats(self) -> list[dict[str, Any]]:
-        """Each replica's scheduler stats (with its dp_rank and the dispatcher's counts);
-        also refreshes the metrics' gauges with their sum."""
-        per_replica = self.dispatcher.replica_stats(await self._control(GetStatsReq(), StatsResp))
-        self.metrics.update_from_stats(merge_stats(per_replica))
-        return per_replica
-
-    async def get_stats(self) -> dict[str, Any]:
-        """The scheduler stats of the whole server (summed over the replicas)."""
-        return merge_stats(await self.get_replica_stats())
-
-    async def flush_cache(self) -> FlushCacheResp:
-        return merge_flush(await self._control(FlushCacheReq(), FlushCacheResp))

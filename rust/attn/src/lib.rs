@@ -32,6 +32,7 @@ pub mod fp8;
 pub(crate) mod kernel;
 pub mod ops;
 pub mod pool;
+mod rope;
 
 use std::fmt;
 

@@ -13,13 +13,15 @@
 use crate::exp::exp_nonpositive;
 use crate::{err, pool, AttnError, Elem};
 
+pub use crate::rope::{rope, HeadRows};
+
 /// Below this many elements a second thread costs more than it saves.
 const MIN_PARALLEL_ELEMS: usize = 1 << 16;
 
 /// A pointer that may cross to the threads of `pool::for_each`; each thread writes rows no
 /// other touches.
 #[derive(Clone, Copy)]
-struct Shared<T>(*mut T);
+pub(crate) struct Shared<T>(pub(crate) *mut T);
 // SAFETY: used only to write disjoint row ranges (see `for_rows`).
 unsafe impl<T> Send for Shared<T> {}
 unsafe impl<T> Sync for Shared<T> {}
@@ -27,19 +29,19 @@ unsafe impl<T> Sync for Shared<T> {}
 impl<T> Shared<T> {
     /// SAFETY: `at + len` is inside the buffer and no other thread uses these elements.
     #[allow(clippy::mut_from_ref)]
-    unsafe fn rows(&self, at: usize, len: usize) -> &mut [T] {
+    pub(crate) unsafe fn rows(&self, at: usize, len: usize) -> &mut [T] {
         std::slice::from_raw_parts_mut(self.0.add(at), len)
     }
 }
 
 /// The work on a range of rows; `run` is inlined into `run_best`'s per-ISA copies.
-trait RowJob: Sync {
+pub(crate) trait RowJob: Sync {
     /// SAFETY: the ranges given to concurrent calls are disjoint.
     unsafe fn run(&self, from: usize, to: usize);
 }
 
 /// `job` over `rows` rows of `width` elements, in ranges over threads.
-fn for_rows<J: RowJob>(rows: usize, width: usize, threads: usize, job: &J) {
+pub(crate) fn for_rows<J: RowJob>(rows: usize, width: usize, threads: usize, job: &J) {
     let threads = if rows * width < MIN_PARALLEL_ELEMS {
         1
     } else {
@@ -294,117 +296,4 @@ fn silu(x: f32) -> f32 {
 fn gelu_tanh(x: f32) -> f32 {
     const TWO_C: f32 = 2.0 * 0.797_884_6; // 2 sqrt(2 / pi)
     x * sigmoid(TWO_C * (x + 0.044715 * x * x * x))
-}
-
-/// Where the rows of q or k are: `heads` heads of `head_dim` elements starting every
-/// `row_stride` elements (a slice of the fused QKV projection, or a tensor of their own).
-pub struct HeadRows<'a, T> {
-    pub data: &'a [T],
-    pub row_stride: usize,
-    pub heads: usize,
-}
-
-/// Rotary embedding (the half-split "neox" layout) of q and k at `positions`, written to
-/// `q_out` and `k_out` (`[tokens, heads, head_dim]`, contiguous). `table` holds one row of
-/// `2 * head_dim` per position: `[cos | cos | -sin | sin]` (halves of `head_dim / 2`).
-#[allow(clippy::too_many_arguments)]
-pub fn rope<T: Elem>(
-    positions: &[i64],
-    table: &[T],
-    q: &HeadRows<'_, T>,
-    k: &HeadRows<'_, T>,
-    q_out: &mut [T],
-    k_out: &mut [T],
-    head_dim: usize,
-    threads: usize,
-) -> Result<(), AttnError> {
-    let tokens = positions.len();
-    if head_dim == 0 || !head_dim.is_multiple_of(2) || !table.len().is_multiple_of(2 * head_dim) {
-        return err(format!(
-            "rope: head_dim {head_dim} must be even and the table rows of {}",
-            2 * head_dim
-        ));
-    }
-    let table_rows = table.len() / (2 * head_dim);
-    if let Some(bad) = positions
-        .iter()
-        .find(|&&p| p < 0 || p as usize >= table_rows)
-    {
-        return err(format!(
-            "rope: position {bad} is outside the table's 0..{table_rows}"
-        ));
-    }
-    for (name, rows, out) in [("q", q, q_out.len()), ("k", k, k_out.len())] {
-        let width = rows.heads * head_dim;
-        let needed = if tokens == 0 {
-            0
-        } else {
-            (tokens - 1) * rows.row_stride + width
-        };
-        if rows.row_stride < width || rows.data.len() < needed || out != tokens * width {
-            return err(format!(
-                "rope: {name} has {} elements (out {out}); {tokens} rows of {} heads x \
-                 {head_dim} every {} elements need {needed} (out {})",
-                rows.data.len(),
-                rows.heads,
-                rows.row_stride,
-                tokens * width
-            ));
-        }
-    }
-    let job = RopeJob {
-        positions,
-        table,
-        q,
-        k,
-        q_out: Shared(q_out.as_mut_ptr()),
-        k_out: Shared(k_out.as_mut_ptr()),
-        head_dim,
-    };
-    for_rows(tokens, (q.heads + k.heads) * head_dim, threads, &job);
-    Ok(())
-}
-
-struct RopeJob<'a, T> {
-    positions: &'a [i64],
-    table: &'a [T],
-    q: &'a HeadRows<'a, T>,
-    k: &'a HeadRows<'a, T>,
-    q_out: Shared<T>,
-    k_out: Shared<T>,
-    head_dim: usize,
-}
-
-impl<T: Elem> RowJob for RopeJob<'_, T> {
-    #[inline(always)]
-    unsafe fn run(&self, from: usize, to: usize) {
-        let d = self.head_dim;
-        for t in from..to {
-            let at = self.positions[t] as usize * 2 * d;
-            let (cos, sin) = self.table[at..at + 2 * d].split_at(d);
-            for (rows, out) in [(self.q, self.q_out), (self.k, self.k_out)] {
-                let width = rows.heads * d;
-                let src = &rows.data[t * rows.row_stride..][..width];
-                let dst = out.rows(t * width, width);
-                for (x, o) in src.chunks_exact(d).zip(dst.chunks_exact_mut(d)) {
-                    rotate(x, cos, sin, o);
-                }
-            }
-        }
-    }
-}
-
-/// `o = x * cos + [x2 | x1] * sin` for one head `x = [x1 | x2]`.
-#[inline(always)]
-fn rotate<T: Elem>(x: &[T], cos: &[T], sin: &[T], o: &mut [T]) {
-    let half = x.len() / 2;
-    let (x1, x2) = x.split_at(half);
-    let (o1, o2) = o.split_at_mut(half);
-    let (c1, c2) = cos[..2 * half].split_at(half);
-    let (s1, s2) = sin[..2 * half].split_at(half);
-    for j in 0..half {
-        let (lo, hi) = (x1[j].to_f32(), x2[j].to_f32());
-        o1[j] = T::from_f32(lo * c1[j].to_f32() + hi * s1[j].to_f32());
-        o2[j] = T::from_f32(hi * c2[j].to_f32() + lo * s2[j].to_f32());
-    }
 }
