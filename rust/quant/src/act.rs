@@ -9,6 +9,9 @@ pub(crate) struct Acts {
     pub q: Vec<i8>,
     /// `[n, cols / 32]` scales.
     pub scale: Vec<f32>,
+    /// `[n, cols / 16]`: the scale of each 16 values (each of `scale` twice), for kernels
+    /// that scale sub-blocks of 16 in one vector.
+    pub scale16: Vec<f32>,
     /// `[n, cols / 16]`: `scale * (sum of the 16 levels)`, the factor of a weight offset.
     pub sum16: Vec<f32>,
     /// `[n, cols / 16]`: the sum of the 16 levels, for zero points folded into the integers.
@@ -23,6 +26,7 @@ impl Acts {
         let mut acts = Acts {
             q: vec![0; n * cols],
             scale: vec![0.0; groups],
+            scale16: vec![0.0; 2 * groups],
             sum16: vec![0.0; 2 * groups],
             qsum16: vec![0; 2 * groups],
         };
@@ -41,6 +45,7 @@ impl Acts {
             for h in 0..2 {
                 let sum: i32 = dst[16 * h..16 * h + 16].iter().map(|&q| i32::from(q)).sum();
                 acts.qsum16[2 * g + h] = sum;
+                acts.scale16[2 * g + h] = scale;
                 acts.sum16[2 * g + h] = scale * sum as f32;
             }
         }

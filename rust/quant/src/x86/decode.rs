@@ -24,7 +24,7 @@ pub(crate) trait Fmt {
 }
 
 #[inline(always)]
-unsafe fn half(p: *const u8) -> f32 {
+pub(crate) unsafe fn half(p: *const u8) -> f32 {
     let h = (p as *const u16).read_unaligned();
     _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(h))))
 }
@@ -121,6 +121,16 @@ impl Fmt for Q5_1 {
 /// (the 6-bit fields of `format::k4_scale_min` as 4 bytes per u32 word).
 #[inline(always)]
 unsafe fn k4_scales(b: *const u8) -> ([f32; 8], [f32; 8]) {
+    let (scales, mins) = k4_scale_vectors(b);
+    let mut out = ([0f32; 8], [0f32; 8]);
+    _mm256_storeu_ps(out.0.as_mut_ptr(), scales);
+    _mm256_storeu_ps(out.1.as_mut_ptr(), mins);
+    out
+}
+
+/// `k4_scales` as two vectors.
+#[inline(always)]
+pub(crate) unsafe fn k4_scale_vectors(b: *const u8) -> (__m256, __m256) {
     let word = |i: usize| (b.add(4 + 4 * i) as *const u32).read_unaligned();
     let (w0, w1, w2) = (word(0), word(1), word(2));
     let six = 0x3f3f_3f3f;
@@ -133,12 +143,12 @@ unsafe fn k4_scales(b: *const u8) -> ([f32; 8], [f32; 8]) {
         let bytes = _mm_cvtsi64_si128((u64::from(hi) << 32 | u64::from(lo)) as i64);
         _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes))
     };
-    let mut out = ([0f32; 8], [0f32; 8]);
     let d = _mm256_set1_ps(half(b));
     let dmin = _mm256_set1_ps(-half(b.add(2)));
-    _mm256_storeu_ps(out.0.as_mut_ptr(), _mm256_mul_ps(widen(sc[0], sc[1]), d));
-    _mm256_storeu_ps(out.1.as_mut_ptr(), _mm256_mul_ps(widen(mn[0], mn[1]), dmin));
-    out
+    (
+        _mm256_mul_ps(widen(sc[0], sc[1]), d),
+        _mm256_mul_ps(widen(mn[0], mn[1]), dmin),
+    )
 }
 
 /// Q4_K and Q5_K: 8 groups of 32 under one f16 scale and min, 6-bit scales and mins each;

@@ -18,11 +18,23 @@ use crate::Problem;
 
 /// How far ahead of a block its row is prefetched: without, 2 rows of x took 1.7x as long
 /// per row of W as with (Q4_0 4096x4096 from DRAM, one core).
-const PREFETCH_AHEAD: usize = 2048;
+pub(crate) const PREFETCH_AHEAD: usize = 2048;
 
 #[inline(always)]
-unsafe fn prefetch(p: *const u8) {
+pub(crate) unsafe fn prefetch(p: *const u8) {
     _mm_prefetch::<_MM_HINT_T0>(p as *const i8);
+}
+
+/// Independent accumulators per row of x for `n` rows: a group's FMA waits for the previous
+/// one into the same register (4 cycles), so one row alone needs several chains in flight;
+/// at 8 rows the rows themselves are enough (and the registers are spoken for).
+#[inline(always)]
+const fn chains(n: usize) -> usize {
+    match n {
+        1 | 2 => 4,
+        3 | 4 => 2,
+        _ => 1,
+    }
 }
 
 /// Rows of x per pass.
@@ -38,8 +50,9 @@ pub(crate) unsafe fn gemv_f32<L: F32Lanes, F: Fmt, const N: usize>(
 ) {
     let cols = p.w.cols;
     let x = p.x.as_ptr().add(x0 * cols);
+    let chains = chains(N);
     for o in rows {
-        let mut acc = [[L::zero(); 2]; N];
+        let mut acc = [[L::zero(); 4]; N];
         let row = p.w.row(o).as_ptr();
         for b in 0..p.w.num_blocks() {
             prefetch(row.add(b * F::BYTES + PREFETCH_AHEAD));
@@ -50,16 +63,18 @@ pub(crate) unsafe fn gemv_f32<L: F32Lanes, F: Fmt, const N: usize>(
                     let k = b * F::LEN + 32 * g;
                     let weights = L::weights(q, F::SIGNED, s, m);
                     for (j, wv) in weights.iter().enumerate().take(L::PER_GROUP) {
+                        let c = (g * L::PER_GROUP + j) % chains;
                         for (r, acc_r) in acc.iter_mut().enumerate() {
                             let xv = L::load(x.add(r * cols + k + j * L::WIDTH));
-                            acc_r[j % 2] = L::fmadd(*wv, xv, acc_r[j % 2]);
+                            acc_r[c] = L::fmadd(*wv, xv, acc_r[c]);
                         }
                     }
                 },
             );
         }
         for (r, acc_r) in acc.iter().enumerate() {
-            *p.y.0.add((x0 + r) * p.ld_y + o) = L::sum(L::add(acc_r[0], acc_r[1]));
+            let sum = L::add(L::add(acc_r[0], acc_r[1]), L::add(acc_r[2], acc_r[3]));
+            *p.y.0.add((x0 + r) * p.ld_y + o) = L::sum(sum);
         }
     }
 }
@@ -76,9 +91,10 @@ pub(crate) unsafe fn gemv_int8<D: Dot, F: Fmt, const N: usize>(
     let xq = acts.q.as_ptr().add(x0 * cols);
     let x_scale = acts.scale.as_ptr().add(x0 * cols / 32);
     let x_sum = acts.sum16.as_ptr().add(x0 * cols / 16);
+    let chains = chains(N);
     for o in rows {
-        let mut acc = [_mm256_setzero_ps(); N];
-        let mut offsets = [0f32; N];
+        let mut acc = [[_mm256_setzero_ps(); 4]; N];
+        let mut offsets = [[0f32; 4]; N];
         let row = p.w.row(o).as_ptr();
         for b in 0..p.w.num_blocks() {
             prefetch(row.add(b * F::BYTES + PREFETCH_AHEAD));
@@ -88,6 +104,7 @@ pub(crate) unsafe fn gemv_int8<D: Dot, F: Fmt, const N: usize>(
                 |g, q, s, m| {
                     let k = b * F::LEN + 32 * g;
                     let gi = k / 32;
+                    let c = g % chains;
                     for r in 0..N {
                         let xv = _mm256_loadu_si256(xq.add(r * cols + k) as *const __m256i);
                         let dot = _mm256_cvtepi32_ps(D::dot(q, xv, F::SIGNED));
@@ -97,17 +114,20 @@ pub(crate) unsafe fn gemv_int8<D: Dot, F: Fmt, const N: usize>(
                         } else {
                             _mm256_set1_ps(s[0] * xs)
                         };
-                        acc[r] = _mm256_fmadd_ps(dot, scale, acc[r]);
+                        acc[r][c] = _mm256_fmadd_ps(dot, scale, acc[r][c]);
                         if !F::SIGNED {
                             let sums = x_sum.add(r * cols / 16 + 2 * gi);
-                            offsets[r] += m[0] * *sums + m[1] * *sums.add(1);
+                            offsets[r][c] += m[0] * *sums + m[1] * *sums.add(1);
                         }
                     }
                 },
             );
         }
         for r in 0..N {
-            *p.y.0.add((x0 + r) * p.ld_y + o) = super::simd::sum256(acc[r]) + offsets[r];
+            let [a0, a1, a2, a3] = acc[r];
+            let sum = _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3));
+            let [o0, o1, o2, o3] = offsets[r];
+            *p.y.0.add((x0 + r) * p.ld_y + o) = super::simd::sum256(sum) + ((o0 + o1) + (o2 + o3));
         }
     }
 }

@@ -5,11 +5,13 @@
 mod decode;
 mod gemm;
 mod gemv;
+mod gemv_k;
 mod simd;
 
 use std::ops::Range;
 
 use decode::{with_fmt, Fmt};
+use gemv_k::{with_kfmt, KFmt};
 use simd::{Avx2, Avx512, F32Lanes, IntLanes, Madd, Vnni};
 
 use crate::act::Acts;
@@ -88,11 +90,17 @@ macro_rules! avx2 {
 avx512! { fn gemv_f32_512<F: Fmt; const N: usize>(p: &Problem<'_>, rows: Range<usize>, x0: usize) {
     gemv::gemv_f32::<Avx512, F, N>(p, rows, x0)
 }}
+avx512! { fn gemv_f32_k512<F: KFmt; const N: usize>(p: &Problem<'_>, rows: Range<usize>, x0: usize) {
+    gemv_k::gemv_f32_k::<F, N>(p, rows, x0)
+}}
 avx2! { fn gemv_f32_256<F: Fmt; const N: usize>(p: &Problem<'_>, rows: Range<usize>, x0: usize) {
     gemv::gemv_f32::<Avx2, F, N>(p, rows, x0)
 }}
 avx512! { fn gemv_int8_512<F: Fmt; const N: usize>(p: &Problem<'_>, a: &Acts, rows: Range<usize>, x0: usize) {
     gemv::gemv_int8::<Vnni, F, N>(p, a, rows, x0)
+}}
+avx512! { fn gemv_int8_k512<F: KFmt; const N: usize>(p: &Problem<'_>, a: &Acts, rows: Range<usize>, x0: usize) {
+    gemv_k::gemv_int8_k::<F, N>(p, a, rows, x0)
 }}
 avx2! { fn gemv_int8_256<F: Fmt; const N: usize>(p: &Problem<'_>, a: &Acts, rows: Range<usize>, x0: usize) {
     gemv::gemv_int8::<Madd, F, N>(p, a, rows, x0)
@@ -104,13 +112,12 @@ pub(crate) unsafe fn gemv_f32(p: &Problem<'_>, rows: Range<usize>, isa: Isa) {
     let mut x0 = 0;
     while x0 < p.n {
         let n = (p.n - x0).min(gemv::MAX_N);
-        with_fmt!(p.w.qtype, F => with_n!(n, N => {
-            if isa == Isa::Avx512 {
-                gemv_f32_512::<F, N>(p, rows.clone(), x0)
-            } else {
-                gemv_f32_256::<F, N>(p, rows.clone(), x0)
-            }
-        }));
+        if isa == Isa::Avx512 {
+            with_kfmt!(p.w.qtype, F => with_n!(n, N => gemv_f32_k512::<F, N>(p, rows.clone(), x0)),
+                _ => with_fmt!(p.w.qtype, F => with_n!(n, N => gemv_f32_512::<F, N>(p, rows.clone(), x0))))
+        } else {
+            with_fmt!(p.w.qtype, F => with_n!(n, N => gemv_f32_256::<F, N>(p, rows.clone(), x0)));
+        }
         x0 += n;
     }
 }
@@ -120,13 +127,12 @@ pub(crate) unsafe fn gemv_int8(p: &Problem<'_>, acts: &Acts, rows: Range<usize>,
     let mut x0 = 0;
     while x0 < p.n {
         let n = (p.n - x0).min(gemv::MAX_N);
-        with_fmt!(p.w.qtype, F => with_n!(n, N => {
-            if isa == Isa::Avx512 {
-                gemv_int8_512::<F, N>(p, acts, rows.clone(), x0)
-            } else {
-                gemv_int8_256::<F, N>(p, acts, rows.clone(), x0)
-            }
-        }));
+        if isa == Isa::Avx512 {
+            with_kfmt!(p.w.qtype, F => with_n!(n, N => gemv_int8_k512::<F, N>(p, acts, rows.clone(), x0)),
+                _ => with_fmt!(p.w.qtype, F => with_n!(n, N => gemv_int8_512::<F, N>(p, acts, rows.clone(), x0))))
+        } else {
+            with_fmt!(p.w.qtype, F => with_n!(n, N => gemv_int8_256::<F, N>(p, acts, rows.clone(), x0)));
+        }
         x0 += n;
     }
 }

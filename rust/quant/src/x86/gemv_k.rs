@@ -1,0 +1,317 @@
+//! The int8 decode GEMV for the k-quants on AVX-512: a super-block's work in whole vectors.
+//!
+//! The generic `gemv::gemv_int8` handles one 32-weight group at a time: a 256-bit dot product,
+//! then a scalar product of the two scales, a broadcast and an FMA per group, and two scalar
+//! FMAs for the offset, about 14 instructions per 16 bytes of Q4_K, which held one core to
+//! 15 GB/s (Q4_K 4096x4096 from DRAM) where it can read 30. Here a super-block (256
+//! weights) is four 512-bit dot products of 64 levels (two groups) against 64 activations;
+//! each of the 16 lanes holds 4 products of one 16-weight sub-block. The sub-blocks' 16
+//! weight scales times the activations' (one vector multiply per row) are spread to the lanes
+//! by one permute per product, and the 16 offsets meet the activations' 16-value sums in one
+//! FMA per super-block. The values are those of the generic kernel (same levels, same f32
+//! scale products); only the order of f32 additions differs. Measured (Q4_K / Q6_K
+//! 4096x4096 streamed from DRAM, this 2-core machine): one core 15 -> 28 / 11 -> 31 GB/s,
+//! two 21 -> 41 / 19 -> 36 GB/s; a 7B Q4_K_M decode step 197 -> 120-134 ms.
+//!
+//! `gemv_f32_k` is the exact kernel's twin: sub-block by sub-block, 16 weights widened from
+//! the block's bytes, dequantized in one FMA and multiplied into each row's accumulators (Q4_K
+//! / Q6_K: one core 13.7 -> 13.9 / 12 -> 15 GB/s, two 20 -> 24 / 20 -> 26 GB/s: it stays
+//! bound by the conversions, two instructions per weight vector that the int8 kernel skips).
+
+use std::arch::x86_64::*;
+use std::ops::Range;
+
+use super::decode::{k4_scale_vectors, Fmt, Q4K, Q5K, Q6K};
+use crate::act::Acts;
+use crate::Problem;
+
+/// `$body` once for each listed `$i`, as a constant: the sub-block loops must unroll for the
+/// format's shifts and offsets to fold (as a loop, the 16 sub-blocks ran at half the speed).
+macro_rules! unroll {
+    ($i:ident in [$($n:literal),*] => $body:block) => {
+        $({
+            const $i: usize = $n;
+            $body
+        })*
+    };
+}
+
+/// A k-quant super-block as this kernel reads it.
+pub(crate) trait KFmt: Fmt {
+    /// The scale and the offset of each 16-weight sub-block (`w = scale * q + offset`).
+    /// SAFETY: AVX-512 (F, BW, VL) available; a block's bytes readable at `b`.
+    unsafe fn scales16(b: *const u8) -> (__m512, __m512);
+    /// Levels 64c .. 64c + 64 (groups 2c and 2c + 1), unsigned. SAFETY: as `scales16`.
+    unsafe fn levels64(b: *const u8, c: usize) -> __m512i;
+    /// Levels 16i .. 16i + 16 (sub-block i), one per 32-bit lane: widened straight from the
+    /// block's bytes (one shuffle each, where cutting them out of `levels64` takes two).
+    /// SAFETY: as `scales16`.
+    unsafe fn levels16(b: *const u8, i: usize) -> __m512i;
+}
+
+/// The 16 bytes at `p`, one per 32-bit lane.
+#[inline(always)]
+unsafe fn widen16(p: *const u8) -> __m512i {
+    _mm512_cvtepu8_epi32(_mm_loadu_si128(p as *const __m128i))
+}
+
+/// Sub-block i's nibbles of Q4_K / Q5_K levels at `qs`: group i / 2 is the low (even groups)
+/// or high nibbles of the 32 bytes at 32 * (i / 4), half i % 2 of them.
+#[inline(always)]
+unsafe fn k4_nibbles16(qs: *const u8, i: usize) -> __m512i {
+    let (g, h) = (i / 2, i % 2);
+    let bytes = widen16(qs.add(32 * (g / 2) + 16 * h));
+    let shifted = if g % 2 == 1 {
+        _mm512_srli_epi32::<4>(bytes)
+    } else {
+        bytes
+    };
+    _mm512_and_si512(shifted, _mm512_set1_epi32(0x0f))
+}
+
+/// Each of 8 values twice: a group's scale for its two sub-blocks.
+#[inline(always)]
+unsafe fn pairs(v: __m256) -> __m512 {
+    let idx = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+    _mm512_permutexvar_ps(idx, _mm512_castps256_ps512(v))
+}
+
+/// The 32 bytes at `p` in both halves of a vector.
+#[inline(always)]
+unsafe fn both_halves(p: *const u8) -> __m512i {
+    _mm512_broadcast_i64x4(_mm256_loadu_si256(p as *const __m256i))
+}
+
+/// The low nibbles of 32 bytes in the lower half, the high ones in the upper half.
+#[inline(always)]
+unsafe fn nibble_halves(p: *const u8) -> __m512i {
+    let shift = _mm512_inserti64x4::<1>(_mm512_setzero_si512(), _mm256_set1_epi16(4));
+    _mm512_and_si512(
+        _mm512_srlv_epi16(both_halves(p), shift),
+        _mm512_set1_epi8(0x0f),
+    )
+}
+
+#[inline(always)]
+unsafe fn k4_scales16(b: *const u8) -> (__m512, __m512) {
+    let (scales, mins) = k4_scale_vectors(b);
+    (pairs(scales), pairs(mins))
+}
+
+impl KFmt for Q4K {
+    #[inline(always)]
+    unsafe fn scales16(b: *const u8) -> (__m512, __m512) {
+        k4_scales16(b)
+    }
+    #[inline(always)]
+    unsafe fn levels64(b: *const u8, c: usize) -> __m512i {
+        nibble_halves(b.add(16 + 32 * c))
+    }
+    #[inline(always)]
+    unsafe fn levels16(b: *const u8, i: usize) -> __m512i {
+        k4_nibbles16(b.add(16), i)
+    }
+}
+
+impl KFmt for Q5K {
+    #[inline(always)]
+    unsafe fn scales16(b: *const u8) -> (__m512, __m512) {
+        k4_scales16(b)
+    }
+    #[inline(always)]
+    unsafe fn levels64(b: *const u8, c: usize) -> __m512i {
+        let q = nibble_halves(b.add(48 + 32 * c));
+        // Group j's fifth bits are bit j of the 32 bytes at 16.
+        let lo = _mm256_set1_epi8((1u8 << (2 * c)) as i8);
+        let bits = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), _mm256_add_epi8(lo, lo));
+        let set = _mm512_test_epi8_mask(both_halves(b.add(16)), bits);
+        _mm512_mask_add_epi8(q, set, q, _mm512_set1_epi8(0x10))
+    }
+    #[inline(always)]
+    unsafe fn levels16(b: *const u8, i: usize) -> __m512i {
+        let (g, h) = (i / 2, i % 2);
+        let fifth = _mm512_srl_epi32(widen16(b.add(16 + 16 * h)), _mm_cvtsi32_si128(g as i32));
+        let fifth = _mm512_slli_epi32::<4>(_mm512_and_si512(fifth, _mm512_set1_epi32(1)));
+        _mm512_or_si512(k4_nibbles16(b.add(48), i), fifth)
+    }
+}
+
+impl KFmt for Q6K {
+    #[inline(always)]
+    unsafe fn scales16(b: *const u8) -> (__m512, __m512) {
+        let d = _mm512_set1_ps(super::decode::half(b.add(208)));
+        let sc = _mm512_cvtepi8_epi32(_mm_loadu_si128(b.add(192) as *const __m128i));
+        let scales = _mm512_mul_ps(_mm512_cvtepi32_ps(sc), d);
+        (scales, _mm512_mul_ps(scales, _mm512_set1_ps(-32.0)))
+    }
+    #[inline(always)]
+    unsafe fn levels64(b: *const u8, c: usize) -> __m512i {
+        // Groups 4h + 2t and 4h + 2t + 1: the low (t = 0) or high nibbles of the 64 bytes at
+        // 64h, and bits 4t (+ 2) of the 32 bytes at 128 + 32h.
+        let (h, t) = (c / 2, (c % 2) as i16);
+        let ql = _mm512_loadu_si512(b.add(64 * h) as *const __m512i);
+        let nib = _mm512_and_si512(
+            _mm512_srlv_epi16(ql, _mm512_set1_epi16(4 * t)),
+            _mm512_set1_epi8(0x0f),
+        );
+        let shift = _mm512_inserti64x4::<1>(
+            _mm512_castsi256_si512(_mm256_set1_epi16(4 * t)),
+            _mm256_set1_epi16(4 * t + 2),
+        );
+        let top = _mm512_and_si512(
+            _mm512_srlv_epi16(both_halves(b.add(128 + 32 * h)), shift),
+            _mm512_set1_epi8(3),
+        );
+        _mm512_or_si512(nib, _mm512_slli_epi16::<4>(top))
+    }
+    #[inline(always)]
+    unsafe fn levels16(b: *const u8, i: usize) -> __m512i {
+        // Group g = 4h + s: the low (s < 2) or high nibbles of the 32 bytes at 64h + 32(s % 2),
+        // and bits 2s, 2s + 1 of the 32 bytes at 128 + 32h; half i % 2 of each.
+        let (g, half) = (i / 2, i % 2);
+        let (h, s) = (g / 4, g % 4);
+        let ql = widen16(b.add(64 * h + 32 * (s % 2) + 16 * half));
+        let nib = if s >= 2 {
+            _mm512_srli_epi32::<4>(ql)
+        } else {
+            ql
+        };
+        let qh = widen16(b.add(128 + 32 * h + 16 * half));
+        let top = _mm512_srl_epi32(qh, _mm_cvtsi32_si128(2 * s as i32));
+        _mm512_or_si512(
+            _mm512_and_si512(nib, _mm512_set1_epi32(0x0f)),
+            _mm512_slli_epi32::<4>(_mm512_and_si512(top, _mm512_set1_epi32(3))),
+        )
+    }
+}
+
+/// Calls `$body` with `$F` the `KFmt` of `$qtype`, or evaluates `$other` for the other types.
+macro_rules! with_kfmt {
+    ($qtype:expr, $F:ident => $body:expr, _ => $other:expr) => {{
+        use $crate::format::QType as T;
+        use $crate::x86::decode as d;
+        match $qtype {
+            T::Q4K => {
+                type $F = d::Q4K;
+                $body
+            }
+            T::Q5K => {
+                type $F = d::Q5K;
+                $body
+            }
+            T::Q6K => {
+                type $F = d::Q6K;
+                $body
+            }
+            _ => $other,
+        }
+    }};
+}
+pub(crate) use with_kfmt;
+
+/// SAFETY: `p` checked by `matmul`; AVX-512 (F, BW, VL, VNNI) available; no other thread
+/// writes columns `rows` of y; `acts` quantizes `p.x`; `x0 + N <= p.n`.
+#[inline(always)]
+pub(crate) unsafe fn gemv_int8_k<F: KFmt, const N: usize>(
+    p: &Problem<'_>,
+    acts: &Acts,
+    rows: Range<usize>,
+    x0: usize,
+) {
+    let cols = p.w.cols;
+    let xq = acts.q.as_ptr().add(x0 * cols);
+    let x_scale = acts.scale16.as_ptr().add(x0 * cols / 16);
+    let x_sum = acts.sum16.as_ptr().add(x0 * cols / 16);
+    // Lane l of product c holds sub-block 4c + l / 4.
+    let spread: [__m512i; 4] = std::array::from_fn(|c| {
+        let s = 4 * c as i32;
+        _mm512_setr_epi32(
+            s,
+            s,
+            s,
+            s,
+            s + 1,
+            s + 1,
+            s + 1,
+            s + 1,
+            s + 2,
+            s + 2,
+            s + 2,
+            s + 2,
+            s + 3,
+            s + 3,
+            s + 3,
+            s + 3,
+        )
+    });
+    let zero = _mm512_setzero_si512();
+    for o in rows {
+        let mut acc = [[_mm512_setzero_ps(); 2]; N];
+        let mut off = [_mm512_setzero_ps(); N];
+        let row = p.w.row(o).as_ptr();
+        for b in 0..p.w.num_blocks() {
+            let blk = row.add(b * F::BYTES);
+            super::gemv::prefetch(blk.add(super::gemv::PREFETCH_AHEAD));
+            super::gemv::prefetch(blk.add(super::gemv::PREFETCH_AHEAD + 64));
+            let (s16, m16) = F::scales16(blk);
+            let mut scale = [_mm512_setzero_ps(); N];
+            for r in 0..N {
+                let at = r * cols / 16 + 16 * b;
+                scale[r] = _mm512_mul_ps(s16, _mm512_loadu_ps(x_scale.add(at)));
+                off[r] = _mm512_fmadd_ps(m16, _mm512_loadu_ps(x_sum.add(at)), off[r]);
+            }
+            unroll!(C in [0, 1, 2, 3] => {
+                let q = F::levels64(blk, C);
+                for r in 0..N {
+                    let x = _mm512_loadu_si512(xq.add(r * cols + 256 * b + 64 * C) as *const _);
+                    let dot = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(zero, q, x));
+                    let s = _mm512_permutexvar_ps(spread[C], scale[r]);
+                    acc[r][C % 2] = _mm512_fmadd_ps(dot, s, acc[r][C % 2]);
+                }
+            });
+        }
+        for r in 0..N {
+            let sum = _mm512_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]), off[r]);
+            *p.y.0.add((x0 + r) * p.ld_y + o) = _mm512_reduce_add_ps(sum);
+        }
+    }
+}
+
+/// The exact GEMV for the k-quants (module doc): each sub-block's 16 weights dequantized into
+/// one vector (`scale * q + offset`, one rounding: `dequantize`'s values).
+/// SAFETY: as `gemv_int8_k`, without `acts`.
+#[inline(always)]
+pub(crate) unsafe fn gemv_f32_k<F: KFmt, const N: usize>(
+    p: &Problem<'_>,
+    rows: Range<usize>,
+    x0: usize,
+) {
+    let cols = p.w.cols;
+    let x = p.x.as_ptr().add(x0 * cols);
+    for o in rows {
+        let mut acc = [[_mm512_setzero_ps(); 4]; N];
+        let row = p.w.row(o).as_ptr();
+        for b in 0..p.w.num_blocks() {
+            let blk = row.add(b * F::BYTES);
+            super::gemv::prefetch(blk.add(super::gemv::PREFETCH_AHEAD));
+            super::gemv::prefetch(blk.add(super::gemv::PREFETCH_AHEAD + 64));
+            // The scales from memory: a broadcast load is no shuffle (permutes were the limit).
+            let (mut s16, mut m16) = ([0f32; 16], [0f32; 16]);
+            let (sv, mv) = F::scales16(blk);
+            _mm512_storeu_ps(s16.as_mut_ptr(), sv);
+            _mm512_storeu_ps(m16.as_mut_ptr(), mv);
+            unroll!(I in [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15] => {
+                let q = _mm512_cvtepi32_ps(F::levels16(blk, I));
+                let w = _mm512_fmadd_ps(q, _mm512_set1_ps(s16[I]), _mm512_set1_ps(m16[I]));
+                for (r, acc_r) in acc.iter_mut().enumerate() {
+                    let xv = _mm512_loadu_ps(x.add(r * cols + 256 * b + 16 * I));
+                    acc_r[I % 4] = _mm512_fmadd_ps(w, xv, acc_r[I % 4]);
+                }
+            });
+        }
+        for (r, [a0, a1, a2, a3]) in acc.iter().enumerate() {
+            let sum = _mm512_add_ps(_mm512_add_ps(*a0, *a1), _mm512_add_ps(*a2, *a3));
+            *p.y.0.add((x0 + r) * p.ld_y + o) = _mm512_reduce_add_ps(sum);
+        }
+    }
+}
