@@ -60,12 +60,16 @@ PROMPTS = [np.random.default_rng(1).integers(3, 300, n).tolist() for n in (5, 11
 
 
 def compare(quant_dir, ref_dir, *, forced: bool = False, **kwargs):
-    """(max |logit error| / max |logit|, tokens equal, the quantized runner's layer kinds)."""
+    """(max |logit error| / max |logit|, tokens equal, the quantized model's layer kinds, and
+    the segment kinds of its first down_proj)."""
     want, want_logits = greedy(runner(ref_dir), PROMPTS)
     run = runner(quant_dir, **kwargs)
     kinds = {type(m).__name__ for m in run.model.modules()}
     got, got_logits = greedy(run, PROMPTS, forced=want if forced else None)
     err = (got_logits - want_logits).abs().max().item() / want_logits.abs().max().item()
+    down = run.model.model.layers[0].mlp.down_proj
+    if hasattr(down, "packed"):
+        kinds |= {type(seg).__name__ for _, seg in down.packed.segments}
     return err, got == want, kinds
 
 
@@ -83,8 +87,16 @@ needs_kernels = pytest.mark.skipif(
         ("llama", "gptq", dict(group_size=32)),
         ("llama", "gptq", dict(group_size=64, sym=True)),
         ("qwen2", "gptq", dict(group_size=32, v2=True)),
+        ("llama", "awq", dict(group_size=64, keep_float=["down_proj"])),
     ],
-    ids=["llama-awq-g32", "qwen2-awq-row", "llama-gptq-g32", "llama-gptq-sym", "qwen2-gptq-v2"],
+    ids=[
+        "llama-awq-g32",
+        "qwen2-awq-row",
+        "llama-gptq-g32",
+        "llama-gptq-sym",
+        "qwen2-gptq-v2",
+        "llama-awq-float-down",
+    ],  # fmt: skip
 )
 def test_int4_checkpoints_give_the_dequantized_models_tokens(
     tiny_model_dir, tmp_path, arch, method, opts
@@ -92,6 +104,7 @@ def test_int4_checkpoints_give_the_dequantized_models_tokens(
     quant_dir, ref_dir = write_quantized(tiny_model_dir(arch), tmp_path, method, **opts)
     err, same, kinds = compare(quant_dir, ref_dir)
     assert "QuantQKVParallelLinear" in kinds and "ParallelLMHead" in kinds
+    assert ("DenseRows" in kinds) == bool(opts.get("keep_float"))  # modules_to_not_convert
     assert same
     assert err <= (1e-5 if opts.get("sym") else INT4_TOL), err
 
