@@ -48,8 +48,13 @@ def test_quantization_takes_the_modes_sglite_has(capsys):
     args = parse_server_args("--model-path m.gguf --quantization gguf --quant-kernel exact".split())
     assert args.quantization == "gguf" and args.quant_kernel == "exact"
     assert parse_server_args(["--model-path", "m"]).quantization is None
-    err = _refused(["--model-path", "m", "--quantization", "fp8"], capsys)
-    assert "--quantization: invalid choice: 'fp8'" in err and "gguf" in err
+    for method in ("w8a8_int8", "fp8", "awq", "gptq"):
+        assert (
+            parse_server_args(["--model-path", "m", "--quantization", method]).quantization
+            == method
+        )
+    err = _refused(["--model-path", "m", "--quantization", "bitsandbytes"], capsys)
+    assert "--quantization: invalid choice: 'bitsandbytes'" in err and "gguf" in err
 
 
 def test_unknown_flags_still_get_argparse_message(capsys):

@@ -15,7 +15,10 @@ activations' dtype: on CPU the native kernels (`quant_kernels`: a GEMV for decod
 for prefill); elsewhere, or without the native module, the weight dequantized by torch
 (`quant_formats.dequantize`) for each call. A tensor the file stores in a float type (or a
 block type these kernels lack) arrives as `DenseRows` (float32) and is multiplied by torch.
-`packed_class(cls)` maps each float layer class to its packed twin.
+`packed_class(cls)` maps each float layer class to its packed twin. A safetensors-quantized
+checkpoint's rows (sglite.layers.quant_rows: w8a8 int8, fp8 and int4 for CUDA) are segments
+too, ones that multiply themselves (`matmul`); a plain float tensor given to `load_packed` (a
+layer the checkpoint kept float) becomes `DenseRows`.
 """
 
 from __future__ import annotations
@@ -186,6 +189,8 @@ class PackedWeight:
         # (gemv up to quant_kernels.gemv_max_rows() rows, gemm_f32 beyond); or one kernel
         self.kernel: str | None = None
         self._native: list[tuple[int, quant_kernels.Prepared | torch.Tensor]] | None = None
+        # the segments when some multiply themselves (quant_rows); () when none do
+        self._own: list | tuple | None = None
 
     def put(self, row: int, rows: Rows, size: int | None, what: str) -> None:
         """Place `rows` at `row`; `size` the rows expected there (None: the whole weight)."""
@@ -200,7 +205,7 @@ class PackedWeight:
                 raise ValueError(f"{what}: rows {row}:{row + want} are already loaded")
         self.segments.append((row, rows))
         self.segments.sort(key=lambda s: s[0])
-        self._native = None
+        self._native = self._own = None
 
     @property
     def is_complete(self) -> bool:
@@ -212,14 +217,25 @@ class PackedWeight:
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """`x W^T` for x `[..., in_features]`, in x's dtype."""
-        if self._native is None and not self.is_complete:
+        if self._native is None and self._own is None and not self.is_complete:
             loaded = [(row, row + seg.num_rows) for row, seg in self.segments]
             raise ValueError(f"packed weight has rows {loaded} of {self.out_features} loaded")
         # Each torch op costs microseconds and a decode step runs hundreds of these: the
         # common case (2-D contiguous float32) goes straight to the kernels.
         flat = x if x.dim() == 2 else x.reshape(-1, self.in_features)
-        native = self._prepared() if flat.device.type == "cpu" else None
-        if native is not None:
+        own = self._own_segments()
+        native = self._prepared() if own is None and flat.device.type == "cpu" else None
+        if own is not None:
+            parts = [
+                seg.matmul(flat) if hasattr(seg, "matmul") else flat.float() @ seg.dequantize().T
+                for seg in own
+            ]
+            y = (
+                parts[0]
+                if len(parts) == 1
+                else torch.cat([p.to(parts[0].dtype) for p in parts], -1)
+            )
+        elif native is not None:
             if flat.dtype != torch.float32 or not flat.is_contiguous():
                 flat = flat.to(torch.float32).contiguous()
             y = torch.empty((flat.shape[0], self.out_features), dtype=torch.float32)
@@ -237,6 +253,23 @@ class PackedWeight:
         if y.dtype != x.dtype:
             y = y.to(x.dtype)
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
+
+    def _own_segments(self) -> list | None:
+        """The segments in row order, consecutive ones of a kind that can `concat` merged
+        (one activation rounding and one GEMM for a QKV layer's q, k, v), when any of them
+        multiplies itself (sglite.layers.quant_rows: safetensors-quantized checkpoints); else
+        None (GGUF rows and float rows: the native kernels)."""
+        if self._own is None and not any(hasattr(seg, "matmul") for _, seg in self.segments):
+            self._own = ()  # checked: none (the GGUF fast path pays this test once)
+        if self._own is None:
+            merged: list = []
+            for _, seg in self.segments:
+                if merged and type(merged[-1][-1]) is type(seg) and hasattr(seg, "concat"):
+                    merged[-1].append(seg)
+                else:
+                    merged.append([seg])
+            self._own = [run[0] if len(run) == 1 else type(run[0]).concat(run) for run in merged]
+        return self._own or None
 
     def _prepared(self) -> list[tuple[int, quant_kernels.Prepared | torch.Tensor]] | None:
         """The segments checked for the native kernels (once), or None without them."""
@@ -274,6 +307,8 @@ class _Packed:
     def load_packed(self, rows: Rows, shard_id: str | int | None = None) -> None:
         """Place a checkpoint tensor's packed rows (the whole tensor: sharded here; a fused
         one, shard id None in a merged or QKV layer, split as the float layers split it)."""
+        if isinstance(rows, torch.Tensor):  # a float tensor (a layer a checkpoint kept float)
+            rows = DenseRows(rows.to(torch.float32))
         self.weight_loader(None, rows, shard_id)
 
     def store(self, param: nn.Parameter | None, where: Placement) -> None:

@@ -107,21 +107,26 @@ class DecoderForCausalLM(nn.Module):
         tp_group: TPGroup = NULL_TP_GROUP,
         ep_size: int = 1,
         packed: bool = False,
+        packed_embedding: bool | None = None,
     ) -> None:
         """With `tp_group` of size > 1 the model holds this rank's shard (see layers.linear);
         with `ep_size` > 1 (dividing it) 1/ep_size of each MoE layer's experts. `packed`: the
         linear layers, embeddings and LM head hold GGUF blocks (loaded as `PackedRows` by
-        `load_weights`; see sglite.models.gguf.weights)."""
+        `load_weights`; see sglite.models.gguf.weights); `packed_embedding` False keeps the
+        embedding and LM head float in a packed model (sglite.models.quant_checkpoint)."""
         super().__init__()
         spec = self.decoder_spec(ConfigFields(config))
         _check(config, spec)
         _check_ep(config, spec, tp_group.size, ep_size)
         self.config, self.spec = config, spec
         attention_cls = DecoderAttention if spec.mla is None else DecoderMLAttention
-        build = Build(config, spec, dtype, device, tp_group, ep_size=ep_size, packed=packed)
+        build = Build(
+            config, spec, dtype, device, tp_group, ep_size=ep_size, packed=packed,
+            packed_embedding=packed_embedding,
+        )  # fmt: skip
         self.model = DecoderModel(build, attention_cls, self.mlp_for_layer)
         head_cls = ParallelLMHead
-        if packed:
+        if build.is_embedding_packed:
             from sglite.layers.quant_embedding import QuantParallelLMHead as head_cls
         self.lm_head = head_cls(
             config.vocab_size,

@@ -52,10 +52,17 @@ class Build:
     tp_group: TPGroup = NULL_TP_GROUP
     ep_size: int = 1  # MoE layers: expert-parallel groups (sglite.layers.moe.experts)
     packed: bool = False  # linear layers and embeddings over GGUF blocks (layers.quant_*)
+    # the embedding and LM head packed too (None: as `packed`); a safetensors-quantized
+    # checkpoint packs its linear layers only, its embeddings are floats
+    packed_embedding: bool | None = None
 
     @property
     def kw(self) -> dict:
         return dict(dtype=self.dtype, device=self.device, tp_group=self.tp_group)
+
+    @property
+    def is_embedding_packed(self) -> bool:
+        return self.packed if self.packed_embedding is None else self.packed_embedding
 
     def linear(self, cls: type) -> type:
         """`cls` (a layer of sglite.layers.linear), or its packed twin in a packed model."""
@@ -67,7 +74,7 @@ class Build:
 
     def embedding(self) -> nn.Module:
         size = (self.config.vocab_size, self.config.hidden_size)
-        if not self.packed:
+        if not self.is_embedding_packed:
             return VocabParallelEmbedding(*size, **self.kw)
         from sglite.layers.quant_embedding import QuantVocabParallelEmbedding
 

@@ -127,11 +127,27 @@ def load_model(
     `--quantization` (sglite.quantization.resolve), `quant_kernel` as `--quant-kernel`."""
     from sglite import quantization as quant
     from sglite.models.gguf.weights import gguf_source, iter_gguf_weights
+    from sglite.models.quant_checkpoint import checkpoint_method
 
     start = time.perf_counter()
     model_cls = get_model_class(config.architecture)
     source = gguf_source(path)
-    mode = quant.resolve(quantization, is_gguf=source is not None, device_type=device.type)
+    method = None if source is not None else checkpoint_method(config.hf_config)
+    mode = quant.resolve(
+        quantization, is_gguf=source is not None, device_type=device.type, checkpoint_method=method
+    )
+    if mode in quant.CHECKPOINT_METHODS:
+        model = _load_quantized(path, config, mode, model_cls, dtype, device, tp_group, ep_size)
+        quant.set_kernel(model, quant_kernel)
+        model.eval()
+        logger.info(
+            "loaded the weights (%s, %s, %s checkpoint) in %.1f s",
+            config.architecture,
+            dtype,
+            mode,
+            time.perf_counter() - start,
+        )
+        return model
     progress = tp_group.rank == 0
     if mode == "gguf":
         from sglite.models.causal_lm import DecoderForCausalLM
@@ -166,5 +182,47 @@ def load_model(
         dtype,
         ", GGUF blocks kept packed" if mode == "gguf" else "",
         time.perf_counter() - start,
+    )
+    return model
+
+
+def checkpoint_names(path: Path) -> list[str]:
+    """Every tensor name of the checkpoint (headers only)."""
+    from safetensors import safe_open
+
+    names: list[str] = []
+    for file in safetensors_files(path):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            names += list(f.keys())
+    return names
+
+
+def _load_quantized(path, config, method, model_cls, dtype, device, tp_group, ep_size):
+    """A safetensors checkpoint quantized by `method` (sglite.models.quant_checkpoint): the
+    linear layers packed (fp8 on CPU, or where the model has no packed form: dequantized at
+    load), embeddings and head float."""
+    from sglite.models import quant_checkpoint as qc
+    from sglite.models.causal_lm import DecoderForCausalLM
+
+    scheme = qc.read_scheme(config.hf_config)
+    packed = method != "fp8" or qc.kernel_forms(device)
+    why = "it has no packed form"
+    if issubclass(model_cls, DecoderForCausalLM):
+        why = model_cls.packed_unsupported(config)
+    if packed and why is not None:
+        if method != "fp8":
+            raise ValueError(f"--quantization {method}: {config.architecture}: {why}")
+        logger.info("%s: %s; dequantizing the fp8 weights at load", config.architecture, why)
+        packed = False
+    kw = dict(dtype=dtype, device=device, tp_group=tp_group, ep_size=ep_size)
+    if packed:
+        model = model_cls(config, **kw, packed=True, packed_embedding=False)
+    else:
+        model = model_cls(config, **kw)
+    progress = tp_group.rank == 0
+    weights = iter_weights(path, progress=progress, skip=model.skips_tensor)
+    names = checkpoint_names(path)
+    model.load_weights(
+        qc.convert_weights(weights, names, scheme, device=device, dtype=dtype, packed=packed)
     )
     return model
