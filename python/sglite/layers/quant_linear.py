@@ -186,7 +186,7 @@ class PackedWeight:
         self.out_features, self.in_features = out_features, in_features
         self.segments: list[tuple[int, Rows]] = []
         # None: by batch size (quant_kernels); "exact": float32 activations at every size
-        # (gemv up to quant_kernels.gemv_max_rows() rows, gemm_f32 beyond); or one kernel
+        # (gemv up to quant_kernels.EXACT_GEMV_MAX_ROWS rows, gemm_f32 beyond); or one kernel
         self.kernel: str | None = None
         self._native: list[tuple[int, quant_kernels.Prepared | torch.Tensor]] | None = None
         # the segments when some multiply themselves (quant_rows); () when none do
@@ -241,7 +241,8 @@ class PackedWeight:
             y = torch.empty((flat.shape[0], self.out_features), dtype=torch.float32)
             threads, kernel = torch.get_num_threads(), self.kernel
             if kernel == "exact":
-                kernel = "gemv" if flat.shape[0] <= quant_kernels.gemv_max_rows() else "gemm_f32"
+                exact_gemv = flat.shape[0] <= quant_kernels.EXACT_GEMV_MAX_ROWS
+                kernel = "gemv" if exact_gemv else "gemm_f32"
             for row, prepared in native:
                 if isinstance(prepared, torch.Tensor):  # DenseRows
                     y[:, row : row + prepared.shape[0]] = flat @ prepared.T

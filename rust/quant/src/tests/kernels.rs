@@ -163,6 +163,22 @@ fn large_batches_cover_every_tile_remainder() {
     }
 }
 
+/// Rows wider than one pass of the k-quant GEMVs (`gemv_k::pass_blocks`: 1024 columns at 8
+/// rows of f32 x, 4096 at 8 of int8), with a last pass shorter than the others.
+#[test]
+fn wide_rows_take_several_passes() {
+    let mut rng = Rng::new(14);
+    for isa in isas() {
+        for qtype in [QType::Q4K, QType::Q5K, QType::Q6K] {
+            for kernel in [Kernel::Gemv, Kernel::GemvInt8] {
+                for n in [4, 8] {
+                    check(qtype, 9, 256 * 21, n, kernel, isa, 2, &mut rng);
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn auto_picks_the_gemv_for_decode_and_the_tiles_beyond() {
     assert_eq!(Kernel::auto(1), Kernel::GemvInt8);
