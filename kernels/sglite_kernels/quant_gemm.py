@@ -1,0 +1,393 @@
+"""Triton GEMMs of quantized linears: FP8 (e4m3) and AWQ / GPTQ int4 weights times x.
+
+`fp8_linear(x, weight, weight_scale, block_size, bias)` = x @ (weight * scale).T + bias and
+`int4_linear(x, qweight, scales, qzeros, group_size, layout, g_idx, bias)` = x @ W + bias,
+for x [..., in] in fp32 / fp16 / bf16, the result in x's dtype; the weight formats are
+described in quant_ref.py (the pure-torch references, re-exported here).
+
+Weight-only: each program loads a [BLOCK_K, BLOCK_N] tile of the packed weight, expands it
+in registers to x's dtype (fp8 -> bf16/fp16 is exact; int4 q - z in [-16, 15] is exact) and
+multiplies it with tl.dot, accumulating in fp32. Where a K tile lies in one scale group (per
+tensor / channel, FP8 blocks, int4 groups aligned to BLOCK_K) the scale multiplies the tile's
+fp32 partial product per column; otherwise (GPTQ act-order g_idx, groups narrower than 16)
+each weight element is scaled before the dot. Small M splits K over `split_k` programs that
+add fp32 partials atomically, so that a decode GEMV still covers every SM. No host sync.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import FLOAT_DTYPES, check_same_device, dot_in_fp32, dot_precision, interpreted
+from ._common import tile_dot as _tile_dot
+from .quant_ref import LAYOUTS, _block, fp8_dequantize, fp8_scale_kind, int4_dequantize
+
+__all__ = ["Tiles", "fp8_dequantize", "fp8_linear", "gemm_tiles", "int4_dequantize", "int4_linear"]
+
+_SCALE_KIND = {"tensor": 0, "channel": 1, "block": 2}
+
+
+class Tiles(NamedTuple):
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+@triton.jit
+def _epilogue(acc, B, Out, offs_m, offs_n, mask_m, mask_n, stride_om, pid_k, HAS_BIAS, SPLIT):
+    if HAS_BIAS:  # added by the first K split only
+        b = tl.load(B + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        acc += tl.where(pid_k == 0, b, 0.0)[None, :]
+    out = Out + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+    mask = mask_m[:, None] & mask_n[None, :]
+    if SPLIT:
+        tl.atomic_add(out, acc, mask=mask)
+    else:
+        tl.store(out, acc.to(Out.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _fp8_kernel(
+    X, W, S, B, Out, M, N, K,
+    stride_xm, stride_wn, stride_sn, stride_om,
+    k_per_split, scale_bn, scale_bk,
+    SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m, mask_n = offs_m < M, offs_n < N
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(K, k_start + k_per_split)
+    offs_k = k_start + tl.arange(0, BLOCK_K)
+    x_ptr = X + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
+    # the weight tile is read transposed: [BLOCK_K, BLOCK_N] of weight[n, k]
+    w_ptr = W + offs_n.to(tl.int64)[None, :] * stride_wn + offs_k[:, None]
+    s_ptr = S + (offs_n // scale_bn).to(tl.int64) * stride_sn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        mask_k = offs_k < k_end
+        a = tl.load(x_ptr, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        w = tl.load(w_ptr, mask=mask_k[:, None] & mask_n[None, :], other=0.0).to(a.dtype)
+        part = _tile_dot(a, w, DOT_FP32, PRECISION)
+        if SCALE == 2:  # one (bn x bk) block per column in this K tile (BLOCK_K divides bk)
+            s = tl.load(s_ptr + k0 // scale_bk, mask=mask_n, other=0.0)
+            acc += part * s.to(tl.float32)[None, :]
+        else:
+            acc += part
+        offs_k += BLOCK_K
+        x_ptr += BLOCK_K
+        w_ptr += BLOCK_K
+    if SCALE == 0:
+        acc = acc * tl.load(S).to(tl.float32)
+    elif SCALE == 1:
+        acc = acc * tl.load(S + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    _epilogue(acc, B, Out, offs_m, offs_n, mask_m, mask_n, stride_om, pid_k, HAS_BIAS, SPLIT)
+
+
+@triton.jit
+def _int4_kernel(
+    X, QW, S, QZ, G, B, Out, M, N, K,
+    stride_xm, stride_qw, stride_s, stride_qz, stride_om,
+    group_size, k_per_split,
+    GPTQ: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_GIDX: tl.constexpr,
+    ROW_GROUPS: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m, mask_n = offs_m < M, offs_n < N
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(K, k_start + k_per_split)
+    offs_k = k_start + tl.arange(0, BLOCK_K)
+    x_ptr = X + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
+    col = offs_n % 8
+    # nibble of column 8j + c: sequential for GPTQ, AWQ's interleave (c // 2) + 4 (c % 2)
+    if GPTQ:
+        z_shift = 4 * col
+    else:
+        z_shift = 4 * (col // 2 + 4 * (col % 2))
+    packed_n = (offs_n // 8).to(tl.int64)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        mask_k = offs_k < k_end
+        mask_w = mask_k[:, None] & mask_n[None, :]
+        a = tl.load(x_ptr, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        if GPTQ:
+            qw_ptr = QW + (offs_k // 8).to(tl.int64)[:, None] * stride_qw + offs_n[None, :]
+            shift = (4 * (offs_k % 8))[:, None]
+        else:
+            qw_ptr = QW + offs_k.to(tl.int64)[:, None] * stride_qw + packed_n[None, :]
+            shift = z_shift[None, :]
+        q = (tl.load(qw_ptr, mask=mask_w, other=0) >> shift) & 0xF
+        if ROW_GROUPS:  # the group varies along k: scale each element, then one dot
+            if HAS_GIDX:
+                g = tl.load(G + offs_k, mask=mask_k, other=0).to(tl.int64)
+            else:
+                g = (offs_k // group_size).to(tl.int64)
+            s = tl.load(S + g[:, None] * stride_s + offs_n[None, :], mask=mask_w, other=0.0)
+            if HAS_ZEROS:
+                zp = tl.load(QZ + g[:, None] * stride_qz + packed_n[None, :], mask=mask_w, other=0)
+                z = (zp >> z_shift[None, :]) & 0xF
+                if GPTQ:
+                    z += 1
+            else:
+                z = 8
+            w = ((q - z).to(tl.float32) * s.to(tl.float32)).to(a.dtype)
+            acc += _tile_dot(a, w, DOT_FP32, PRECISION)
+        else:  # one group for the whole K tile: the exact integers q - z, scaled after
+            g = k0 // group_size
+            s = tl.load(S + g * stride_s + offs_n, mask=mask_n, other=0.0)
+            if HAS_ZEROS:
+                zp = tl.load(QZ + g * stride_qz + packed_n, mask=mask_n, other=0)
+                z = (zp >> z_shift) & 0xF
+                if GPTQ:
+                    z += 1
+                z = z[None, :]
+            else:
+                z = 8
+            part = _tile_dot(a, (q - z).to(tl.float32).to(a.dtype), DOT_FP32, PRECISION)
+            acc += part * s.to(tl.float32)[None, :]
+        offs_k += BLOCK_K
+        x_ptr += BLOCK_K
+    _epilogue(acc, B, Out, offs_m, offs_n, mask_m, mask_n, stride_om, pid_k, HAS_BIAS, SPLIT)
+
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNT:
+        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNT[index]
+
+
+def gemm_tiles(m: int, n: int, k: int, device: torch.device) -> Tiles:
+    """Fixed tiles by M (no autotuning: the first call of a shape must not pay a search, and
+    CUDA-graph capture must not see one). Decode M <= 64 is weight-bandwidth bound: the
+    smallest M tile tl.dot allows, narrow N tiles and wide K tiles (long contiguous reads of
+    the packed weight), and K split until about two programs per SM stream the weight.
+    Prefill M is compute bound: 64x128 / 128x128 tiles reuse each dequantized weight tile
+    across many rows; K is split only if the tiles cannot fill the SMs once."""
+    if interpreted() or device.type != "cuda":
+        return Tiles(16, 32, 32, 1, 4, 1)
+    if m <= 16:
+        tiles = Tiles(16, 64, 128, 1, 4, 4)
+    elif m <= 64:
+        tiles = Tiles(32, 64, 128, 1, 4, 4)
+    elif m <= 256:
+        tiles = Tiles(64, 128, 64, 1, 4, 4)
+    else:
+        tiles = Tiles(128, 128, 64, 1, 8, 3)
+    programs = triton.cdiv(m, tiles.block_m) * triton.cdiv(n, tiles.block_n)
+    target = 2 * _sm_count(device) if m <= 64 else _sm_count(device)
+    if programs < target:
+        split = min(triton.cdiv(target, programs), max(1, k // (4 * tiles.block_k)))
+        tiles = tiles._replace(split_k=split)
+    return tiles
+
+
+def _aligned_block_k(block_k: int, group: int) -> int:
+    """The largest power of two <= block_k dividing `group`, or 0 if that is under 16."""
+    b = min(block_k, group & -group)
+    return b if b >= 16 else 0
+
+
+def _check_x(x: torch.Tensor, in_features: int) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor) or x.dtype not in FLOAT_DTYPES:
+        got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"x must be a float32 / float16 / bfloat16 tensor, got {got}")
+    if x.dim() < 1 or x.shape[-1] != in_features:
+        raise ValueError(f"x must be [..., {in_features}], got {list(x.shape)}")
+    x2 = x.reshape(-1, in_features)
+    return x2 if x2.stride(-1) == 1 or x2.numel() == 0 else x2.contiguous()
+
+
+def _check_bias(bias: torch.Tensor | None, n: int) -> None:
+    if bias is not None and (
+        bias.shape != (n,) or not bias.is_floating_point() or bias.stride(0) != 1
+    ):
+        raise ValueError(f"bias must be a contiguous float [{n}], got {list(bias.shape)}")
+
+
+def _check_contig(**tensors: torch.Tensor) -> None:
+    for name, t in tensors.items():
+        if t is not None and t.dim() > 0 and t.numel() > 0 and t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dim; call .contiguous()")
+
+
+def _run(kernel, x2, n, bias, tiles: Tiles, out_shape, args, consts) -> torch.Tensor:
+    m, k = x2.shape
+    split = tiles.split_k > 1
+    out = torch.zeros if split else torch.empty
+    y = out(m, n, dtype=torch.float32 if split else x2.dtype, device=x2.device)
+    k_per_split = triton.cdiv(triton.cdiv(k, tiles.split_k), tiles.block_k) * tiles.block_k
+    grid = (triton.cdiv(n, tiles.block_n), triton.cdiv(m, tiles.block_m), tiles.split_k)
+    launch = {} if interpreted() else dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    kernel[grid](
+        *args(y, k_per_split),
+        HAS_BIAS=bias is not None,
+        SPLIT=split,
+        BLOCK_M=tiles.block_m,
+        BLOCK_N=tiles.block_n,
+        BLOCK_K=tiles.block_k,
+        DOT_FP32=dot_in_fp32(x2),
+        PRECISION=dot_precision(x2.dtype),
+        **consts,
+        **launch,
+    )
+    return y.to(x2.dtype).reshape(out_shape) if split else y.reshape(out_shape)
+
+
+def fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    block_size=None,
+    bias: torch.Tensor | None = None,
+    *,
+    tiles: Tiles | None = None,
+) -> torch.Tensor:
+    """x @ (weight * weight_scale).T + bias in x's dtype (fp32 accumulation). weight:
+    float8_e4m3fn [out, in]; weight_scale: per tensor, per channel, or per block with
+    block_size (bn, bk), bk a multiple of 16 (see quant_ref). `tiles` overrides gemm_tiles."""
+    if not isinstance(weight, torch.Tensor) or weight.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"weight must be float8_e4m3fn, got {getattr(weight, 'dtype', weight)}")
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be [out, in], got {list(weight.shape)}")
+    if not isinstance(weight_scale, torch.Tensor) or not weight_scale.is_floating_point():
+        raise ValueError("weight_scale must be a float tensor")
+    n, k = weight.shape
+    kind = fp8_scale_kind((n, k), weight_scale, block_size)
+    x2 = _check_x(x, k)
+    _check_bias(bias, n)
+    _check_contig(weight=weight, weight_scale=weight_scale)
+    tensors = dict(x=x2, weight=weight, weight_scale=weight_scale)
+    check_same_device(**tensors, **({} if bias is None else dict(bias=bias)))
+    out_shape = (*x.shape[:-1], n)
+    if x2.shape[0] == 0:
+        return x.new_empty(out_shape)
+    tiles = tiles or gemm_tiles(x2.shape[0], n, k, x2.device)
+    scale = weight_scale.reshape(-1) if kind != "block" else weight_scale
+    bn, bk = _block(block_size) if kind == "block" else (1, 1)
+    if kind == "block":
+        block_k = _aligned_block_k(tiles.block_k, bk)
+        if not block_k:
+            raise ValueError(f"block_size's bk must be a multiple of 16, got {bk}")
+        tiles = tiles._replace(block_k=block_k)
+    stride_sn = scale.stride(0) if kind == "block" else 0
+
+    def args(y, k_per_split):
+        return (x2, weight, scale, bias if bias is not None else scale, y, x2.shape[0], n, k,
+                x2.stride(0), weight.stride(0), stride_sn, y.stride(0), k_per_split, bn, bk)  # fmt: skip
+
+    return _run(_fp8_kernel, x2, n, bias, tiles, out_shape, args, dict(SCALE=_SCALE_KIND[kind]))
+
+
+def _check_int4(x, qweight, scales, qzeros, group_size, layout, g_idx) -> tuple[int, int, int]:
+    """(in, out, group size) after checking every tensor against the layout."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if not isinstance(qweight, torch.Tensor) or qweight.dtype != torch.int32 or qweight.dim() != 2:
+        raise ValueError("qweight must be a 2-D int32 tensor")
+    rows, cols = qweight.shape
+    k, n = (rows, cols * 8) if layout == "awq" else (rows * 8, cols)
+    want = "[in, out/8]" if layout == "awq" else "[in/8, out]"
+    if x.shape[-1] != k:
+        raise ValueError(f"x's last dim {x.shape[-1]} != in {k} of {layout} qweight {want}")
+    if isinstance(group_size, bool) or not isinstance(group_size, int):
+        raise ValueError(f"group_size must be an int, got {group_size!r}")
+    gs = k if group_size == -1 else group_size
+    if gs < 1:
+        raise ValueError(f"group_size must be -1 or positive, got {group_size}")
+    if g_idx is not None:
+        if layout != "gptq":
+            raise ValueError("g_idx is a GPTQ field; AWQ groups are always k // group_size")
+        if g_idx.shape != (k,) or g_idx.dtype not in (torch.int32, torch.int64):
+            raise ValueError(
+                f"g_idx must be int32/int64 [{k}], got {g_idx.dtype} {list(g_idx.shape)}"
+            )
+        groups = scales.shape[0] if scales.dim() == 2 else -1
+    else:
+        if k % gs:
+            raise ValueError(f"in ({k}) must be a multiple of group_size ({group_size})")
+        groups = k // gs
+    if not scales.is_floating_point() or scales.dim() != 2 or tuple(scales.shape) != (groups, n):
+        raise ValueError(
+            f"scales must be float [{groups}, {n}], got {scales.dtype} {list(scales.shape)}"
+        )
+    if qzeros is not None and (
+        qzeros.dtype != torch.int32 or tuple(qzeros.shape) != (groups, n // 8)
+    ):
+        raise ValueError(
+            f"qzeros must be int32 [{groups}, {n // 8}], got {qzeros.dtype} {list(qzeros.shape)}"
+        )
+    return k, n, gs
+
+
+def int4_linear(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    qzeros: torch.Tensor | None,
+    group_size: int,
+    layout: str,
+    g_idx: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    *,
+    tiles: Tiles | None = None,
+) -> torch.Tensor:
+    """x @ W + bias in x's dtype (fp32 accumulation), W the AWQ or GPTQ int4 weight [in, out]
+    (see quant_ref). Pass g_idx only when it is not k // group_size (act-order checkpoints):
+    a given g_idx scales every weight element. `tiles` overrides gemm_tiles."""
+    k, n, gs = _check_int4(x, qweight, scales, qzeros, group_size, layout, g_idx)
+    x2 = _check_x(x, k)
+    _check_bias(bias, n)
+    _check_contig(qweight=qweight, scales=scales, qzeros=qzeros)
+    named = dict(x=x2, qweight=qweight, scales=scales, qzeros=qzeros, g_idx=g_idx, bias=bias)
+    check_same_device(**{name: t for name, t in named.items() if t is not None})
+    out_shape = (*x.shape[:-1], n)
+    if x2.shape[0] == 0:
+        return x.new_empty(out_shape)
+    tiles = tiles or gemm_tiles(x2.shape[0], n, k, x2.device)
+    row_groups = g_idx is not None
+    if not row_groups and gs < k:
+        block_k = _aligned_block_k(tiles.block_k, gs)
+        row_groups = block_k == 0
+        tiles = tiles._replace(block_k=block_k or tiles.block_k)
+    gidx = g_idx.contiguous() if g_idx is not None else qweight
+    zeros = qzeros if qzeros is not None else qweight
+
+    def args(y, k_per_split):
+        return (x2, qweight, scales, zeros, gidx, bias if bias is not None else scales, y,
+                x2.shape[0], n, k, x2.stride(0), qweight.stride(0), scales.stride(0),
+                zeros.stride(0), y.stride(0), gs, k_per_split)  # fmt: skip
+
+    consts = dict(
+        GPTQ=layout == "gptq",
+        HAS_ZEROS=qzeros is not None,
+        HAS_GIDX=g_idx is not None,
+        ROW_GROUPS=row_groups,
+    )
+    return _run(_int4_kernel, x2, n, bias, tiles, out_shape, args, consts)
+
+
+def gptq_g_idx_is_trivial(g_idx: torch.Tensor, group_size: int) -> bool:
+    """Whether g_idx is k // group_size (then int4_linear should get g_idx=None): a loader's
+    check, once per weight (it reads the tensor)."""
+    k = g_idx.shape[0]
+    gs = k if group_size == -1 else group_size
+    want = torch.arange(k, device=g_idx.device) // max(gs, 1)
+    return bool(torch.equal(g_idx.to(torch.int64), want))
