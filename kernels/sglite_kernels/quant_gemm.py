@@ -27,6 +27,7 @@ from ._common import tile_dot as _tile_dot
 from .quant_ref import LAYOUTS, _block, fp8_dequantize, fp8_scale_kind, int4_dequantize
 
 __all__ = ["Tiles", "fp8_dequantize", "fp8_linear", "gemm_tiles", "int4_dequantize", "int4_linear"]
+__all__ += ["gptq_g_idx_is_trivial", "tile_table"]
 
 _SCALE_KIND = {"tensor": 0, "channel": 1, "block": 2}
 
@@ -119,18 +120,24 @@ def _int4_kernel(
     else:
         z_shift = 4 * (col // 2 + 4 * (col % 2))
     packed_n = (offs_n // 8).to(tl.int64)
+    nib = tl.arange(0, 8)
+    words = pid_n * (BLOCK_N // 8) + tl.arange(0, BLOCK_N // 8)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         mask_k = offs_k < k_end
         mask_w = mask_k[:, None] & mask_n[None, :]
         a = tl.load(x_ptr, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        if GPTQ:
-            qw_ptr = QW + (offs_k // 8).to(tl.int64)[:, None] * stride_qw + offs_n[None, :]
-            shift = (4 * (offs_k % 8))[:, None]
-        else:
-            qw_ptr = QW + offs_k.to(tl.int64)[:, None] * stride_qw + packed_n[None, :]
-            shift = z_shift[None, :]
-        q = (tl.load(qw_ptr, mask=mask_w, other=0) >> shift) & 0xF
+        # each packed int32 is loaded once and expanded in registers to its 8 nibbles
+        if GPTQ:  # [BLOCK_K / 8, BLOCK_N] words, nibble i = row 8r + i
+            rows = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+            qw_ptr = QW + rows.to(tl.int64)[:, None] * stride_qw + offs_n[None, :]
+            p = tl.load(qw_ptr, mask=(rows * 8 < k_end)[:, None] & mask_n[None, :], other=0)
+            q = (p[:, None, :] >> (4 * nib)[None, :, None]) & 0xF
+        else:  # [BLOCK_K, BLOCK_N / 8] words, column 8j + c in nibble AWQ_NIBBLE[c]
+            qw_ptr = QW + offs_k.to(tl.int64)[:, None] * stride_qw + words[None, :]
+            p = tl.load(qw_ptr, mask=mask_k[:, None] & (words * 8 < N)[None, :], other=0)
+            q = (p[:, :, None] >> (4 * (nib // 2 + 4 * (nib % 2)))[None, None, :]) & 0xF
+        q = tl.reshape(q, (BLOCK_K, BLOCK_N))
         if ROW_GROUPS:  # the group varies along k: scale each element, then one dot
             if HAS_GIDX:
                 g = tl.load(G + offs_k, mask=mask_k, other=0).to(tl.int64)
@@ -175,14 +182,20 @@ def _sm_count(device: torch.device) -> int:
 
 
 def gemm_tiles(m: int, n: int, k: int, device: torch.device) -> Tiles:
+    """The launch tiles of an [m, k] x [k, n] product on `device` (see tile_table)."""
+    if interpreted() or device.type != "cuda":
+        return Tiles(16, 32, 32, 1, 4, 1)
+    return tile_table(m, n, k, _sm_count(device))
+
+
+def tile_table(m: int, n: int, k: int, sm_count: int) -> Tiles:
     """Fixed tiles by M (no autotuning: the first call of a shape must not pay a search, and
     CUDA-graph capture must not see one). Decode M <= 64 is weight-bandwidth bound: the
     smallest M tile tl.dot allows, narrow N tiles and wide K tiles (long contiguous reads of
     the packed weight), and K split until about two programs per SM stream the weight.
     Prefill M is compute bound: 64x128 / 128x128 tiles reuse each dequantized weight tile
-    across many rows; K is split only if the tiles cannot fill the SMs once."""
-    if interpreted() or device.type != "cuda":
-        return Tiles(16, 32, 32, 1, 4, 1)
+    across many rows; K is split only if the tiles fill under half the SMs (a near-full
+    wave gains less than the fp32 partials cost). A split keeps >= 4 K tiles per program."""
     if m <= 16:
         tiles = Tiles(16, 64, 128, 1, 4, 4)
     elif m <= 64:
@@ -192,8 +205,8 @@ def gemm_tiles(m: int, n: int, k: int, device: torch.device) -> Tiles:
     else:
         tiles = Tiles(128, 128, 64, 1, 8, 3)
     programs = triton.cdiv(m, tiles.block_m) * triton.cdiv(n, tiles.block_n)
-    target = 2 * _sm_count(device) if m <= 64 else _sm_count(device)
-    if programs < target:
+    target = 2 * sm_count if m <= 64 else sm_count
+    if programs < (target if m <= 64 else sm_count // 2):
         split = min(triton.cdiv(target, programs), max(1, k // (4 * tiles.block_k)))
         tiles = tiles._replace(split_k=split)
     return tiles
