@@ -13,6 +13,7 @@ CUDA-graph capture.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import re
@@ -285,14 +286,20 @@ def test_kernels_compile_for_hopper_and_pipeline():
 # ---- compiled on a GPU: real shapes ----
 
 
+@functools.lru_cache(maxsize=1)
+def _gpu_int4(case):
+    """One 4096x4096 weight per case, shared by its M values (packing 16M values is slow)."""
+    layout = "awq" if case == "awq" else "gptq"
+    kw = dict(zeros=case != "gptq_sym", act_order=case == "gptq_act_order")
+    return layout, *_int4_case(4096, 4096, 128, layout, device="cuda", **kw)
+
+
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("m", [1, 16, 256])
 @pytest.mark.parametrize("case", ["awq", "gptq", "gptq_act_order", "gptq_sym"])
 def test_gpu_int4_4096(m, case):
-    layout = "awq" if case == "awq" else "gptq"
-    kw = dict(zeros=case != "gptq_sym", act_order=case == "gptq_act_order")
-    tensors, w = _int4_case(4096, 4096, 128, layout, device="cuda", **kw)
+    layout, tensors, w = _gpu_int4(case)
     x = _x(m, 4096, torch.bfloat16, device="cuda")
     y = int4_linear(x, group_size=128, layout=layout, **tensors)
     _close(y, x.float() @ w, torch.bfloat16)
