@@ -2,8 +2,8 @@
 
 Workload (fixed, seeded, random weights): bf16 x [M, in] times one linear of in x out =
 4096x4096 and 4096x14336 (a Llama-3-8B attention and gate/up projection), M in 1, 16, 256,
-2048, for each weight format of sglite_kernels.quant_gemm: fp8 e4m3 per-channel, fp8 with
-128x128 block scales, AWQ int4 g128, GPTQ int4 g128, GPTQ g128 with an act-order g_idx.
+2048, for each weight format of sglite_kernels.quant_gemm: fp8 e4m3 per-channel (weight-only,
+and w8a8: x quantized per token, fp8 x fp8 products), fp8 with 128x128 block scales, AWQ int4 g128, GPTQ int4 g128, GPTQ g128 with an act-order g_idx.
 For each it prints the mean time of one call replayed from a CUDA graph (the kernel, not
 Python's launch), its TFLOP/s (2*M*in*out / t) and GB/s (weight + scales + x + y bytes / t),
 next to torch's bf16 matmul on the dequantized weight (cuBLAS), and the max error relative
@@ -34,7 +34,14 @@ from sglite_kernels.quant_gemm import (  # noqa: E402
 )
 from sglite_kernels.quant_ref import int4_pack  # noqa: E402
 
-FORMATS = ("fp8_channel", "fp8_block128", "awq_g128", "gptq_g128", "gptq_g128_act_order")
+FORMATS = (
+    "fp8_channel",
+    "fp8_channel_w8a8",
+    "fp8_block128",
+    "awq_g128",
+    "gptq_g128",
+    "gptq_g128_act_order",
+)
 
 
 def _time_us(fn, iters: int) -> float:
@@ -64,13 +71,15 @@ def _layer(fmt: str, k: int, n: int, gen: torch.Generator, dev: str = "cuda"):
     if fmt.startswith("fp8"):
         weight = (torch.randn(n, k, generator=gen, device=dev) * 100).clamp(-448, 448)
         weight = weight.to(torch.float8_e4m3fn)
-        if fmt == "fp8_channel":
+        if fmt.startswith("fp8_channel"):
             scale, block = torch.rand(n, generator=gen, device=dev) * 4e-3 + 1e-3, None
         else:
             shape = (-(-n // 128), -(-k // 128))
             scale, block = torch.rand(shape, generator=gen, device=dev) * 4e-3 + 1e-3, (128, 128)
         w = fp8_dequantize(weight, scale, block).T
-        return (lambda x: fp8_linear(x, weight, scale, block)), w, n * k + scale.numel() * 4
+        w8a8 = fmt.endswith("w8a8")
+        call = lambda x: fp8_linear(x, weight, scale, block, w8a8=w8a8)  # noqa: E731
+        return call, w, n * k + scale.numel() * 4
     layout = "awq" if fmt.startswith("awq") else "gptq"
     groups = k // 128
     q = torch.randint(0, 16, (k, n), generator=gen, device=dev)

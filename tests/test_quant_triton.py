@@ -31,6 +31,7 @@ from sglite_kernels.quant_gemm import (  # noqa: E402
     Tiles,
     fp8_dequantize,
     fp8_linear,
+    fp8_quantize_rows,
     gptq_g_idx_is_trivial,
     int4_dequantize,
     int4_linear,
@@ -194,6 +195,25 @@ def test_fp8_scale_kinds(kind, dtype):
     _close(fp8_linear(x, weight, scale, block_size), x.float() @ w.T, dtype)
 
 
+@pytest.mark.parametrize("kind", ["tensor", "channel", "block"])
+def test_fp8_w8a8_dynamic_per_token(kind):
+    """w8a8: x quantized per token to fp8 (scale max|row| / 448), fp8 x fp8 products; equal
+    to the fp32 product of the quantized operands, within 1e-1 of the unquantized one."""
+    weight, scale, block_size, w = _fp8_case(72, 112, kind, seed=7)
+    x = _x(9, 112, torch.bfloat16) * torch.linspace(0.1, 10, 9)[:, None].bfloat16()
+    xq, xs = fp8_quantize_rows(x)
+    assert xq.dtype == torch.float8_e4m3fn and xs.shape == (9,)
+    assert torch.equal(xq.float().abs().amax(-1), torch.full((9,), 448.0))
+    ref = (xq.float() * xs[:, None]) @ w.T
+    bias = torch.randn(72).bfloat16()
+    y = fp8_linear(x, weight, scale, block_size, bias, w8a8=True)
+    _close(y, ref + bias.float(), torch.bfloat16)
+    y = fp8_linear(x, weight, scale, block_size, w8a8=True, tiles=SPLIT_TILES)
+    _close(y, ref, torch.bfloat16)
+    exact = x.float() @ w.T
+    assert (y.float() - exact).abs().max() <= 0.1 * exact.abs().max()
+
+
 def test_fp8_128_blocks_bias_split_k_and_fp16():
     weight, scale, block_size, w = _fp8_case(160, 320, "block", block=(128, 128), seed=6)
     bias = torch.randn(160)
@@ -278,9 +298,9 @@ def test_kernels_compile_for_hopper_and_pipeline():
         pytest.skip("Triton's ptxas is not installed")
     assert run.returncode == 0, run.stderr[-3000:]
     lines = [line for line in run.stdout.splitlines() if "smem" in line]
-    assert len(lines) == 10 and all(line.endswith(", pipelined") for line in lines), run.stdout
+    assert len(lines) == 14 and all(line.endswith(", pipelined") for line in lines), run.stdout
     smem = [int(m) for m in re.findall(r": (\d+) B smem", run.stdout)]
-    assert len(smem) == 10 and max(smem) <= 227 * 1024
+    assert len(smem) == 14 and max(smem) <= 227 * 1024
 
 
 # ---- compiled on a GPU: real shapes ----
@@ -315,6 +335,20 @@ def test_gpu_fp8_4096(m, kind):
     bias = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
     y = fp8_linear(x, weight, scale, block_size, bias)
     _close(y, x.float() @ w.T + bias.float(), torch.bfloat16)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("m", [16, 256])
+@pytest.mark.parametrize("kind", ["channel", "block"])
+def test_gpu_fp8_w8a8_4096(m, kind):
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 tensor cores need sm_89+")
+    weight, scale, block_size, w = _fp8_case(4096, 4096, kind, block=(128, 128), device="cuda")
+    x = _x(m, 4096, torch.bfloat16, device="cuda")
+    xq, xs = fp8_quantize_rows(x)
+    y = fp8_linear(x, weight, scale, block_size, w8a8=True)
+    _close(y, (xq.float() * xs[:, None]) @ w.T, torch.bfloat16)
 
 
 @gpu

@@ -13,6 +13,10 @@ tensor / channel, FP8 blocks, int4 groups aligned to BLOCK_K) the scale multipli
 fp32 partial product per column; otherwise (GPTQ act-order g_idx, groups narrower than 16)
 each weight element is scaled before the dot. Small M splits K over `split_k` programs that
 add fp32 partials atomically, so that a decode GEMV still covers every SM. No host sync.
+
+FP8 also has a w8a8 option (`w8a8=True`, off by default): x quantized per token to e4m3
+and fp8 x fp8 tensor-core products (sm_89+), the per-token and weight scales applied to the
+fp32 accumulator.
 """
 
 from __future__ import annotations
@@ -20,12 +24,26 @@ from __future__ import annotations
 import torch
 import triton
 
-from ._common import FLOAT_DTYPES, check_same_device, dot_in_fp32, dot_precision, interpreted
-from .quant_ref import LAYOUTS, _block, fp8_dequantize, fp8_scale_kind, int4_dequantize
+from ._common import (
+    FLOAT_DTYPES,
+    FP8_DTYPES,
+    check_same_device,
+    dot_in_fp32,
+    dot_precision,
+    interpreted,
+)
+from .quant_ref import (
+    LAYOUTS,
+    _block,
+    fp8_dequantize,
+    fp8_quantize_rows,
+    fp8_scale_kind,
+    int4_dequantize,
+)
 from .quant_triton import Tiles, _fp8_kernel, _int4_kernel, gemm_tiles, tile_table
 
 __all__ = ["Tiles", "fp8_dequantize", "fp8_linear", "gemm_tiles", "int4_dequantize", "int4_linear"]
-__all__ += ["gptq_g_idx_is_trivial", "tile_table"]
+__all__ += ["fp8_quantize_rows", "gptq_g_idx_is_trivial", "tile_table"]
 
 _SCALE_KIND = {"tensor": 0, "channel": 1, "block": 2}
 
@@ -59,11 +77,13 @@ def _check_contig(**tensors: torch.Tensor) -> None:
             raise ValueError(f"{name} must be contiguous in its last dim; call .contiguous()")
 
 
-def _run(kernel, x2, n, bias, tiles: Tiles, out_shape, args, consts) -> torch.Tensor:
+def _run(kernel, x2, n, bias, tiles: Tiles, out_shape, args, consts, dtype=None) -> torch.Tensor:
+    """Launch `kernel` over y [m, n] of `dtype` (x2's by default)."""
     m, k = x2.shape
+    dtype = dtype or x2.dtype
     split = tiles.split_k > 1
     out = torch.zeros if split else torch.empty
-    y = out(m, n, dtype=torch.float32 if split else x2.dtype, device=x2.device)
+    y = out(m, n, dtype=torch.float32 if split else dtype, device=x2.device)
     k_per_split = triton.cdiv(triton.cdiv(k, tiles.split_k), tiles.block_k) * tiles.block_k
     grid = (triton.cdiv(n, tiles.block_n), triton.cdiv(m, tiles.block_m), tiles.split_k)
     launch = {} if interpreted() else dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
@@ -74,12 +94,13 @@ def _run(kernel, x2, n, bias, tiles: Tiles, out_shape, args, consts) -> torch.Te
         BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n,
         BLOCK_K=tiles.block_k,
-        DOT_FP32=dot_in_fp32(x2),
+        # the interpreter multiplies raw fp8 / bf16 bits: widen the tiles there
+        DOT_FP32=dot_in_fp32(x2) or (x2.device.type == "cpu" and x2.dtype in FP8_DTYPES),
         PRECISION=dot_precision(x2.dtype),
         **consts,
         **launch,
     )
-    return y.to(x2.dtype).reshape(out_shape) if split else y.reshape(out_shape)
+    return y.to(dtype).reshape(out_shape) if split else y.reshape(out_shape)
 
 
 def fp8_linear(
@@ -89,11 +110,16 @@ def fp8_linear(
     block_size=None,
     bias: torch.Tensor | None = None,
     *,
+    w8a8: bool = False,
     tiles: Tiles | None = None,
 ) -> torch.Tensor:
     """x @ (weight * weight_scale).T + bias in x's dtype (fp32 accumulation). weight:
     float8_e4m3fn [out, in]; weight_scale: per tensor, per channel, or per block with
-    block_size (bn, bk), bk a multiple of 16 (see quant_ref). `tiles` overrides gemm_tiles."""
+    block_size (bn, bk), bk a multiple of 16 (see quant_ref). `tiles` overrides gemm_tiles.
+
+    w8a8=False (default): weight-only, x multiplied as given. w8a8=True: x is quantized per
+    token to fp8 (fp8_quantize_rows, in torch) and tl.dot multiplies fp8 by fp8 (sm_89+):
+    faster where compute bound (prefill), at the cost of x's rounding to 3 mantissa bits."""
     if not isinstance(weight, torch.Tensor) or weight.dtype != torch.float8_e4m3fn:
         raise ValueError(f"weight must be float8_e4m3fn, got {getattr(weight, 'dtype', weight)}")
     if weight.dim() != 2:
@@ -110,6 +136,8 @@ def fp8_linear(
     out_shape = (*x.shape[:-1], n)
     if x2.shape[0] == 0:
         return x.new_empty(out_shape)
+    if w8a8 and x2.is_cuda and torch.cuda.get_device_capability(x2.device) < (8, 9):
+        raise ValueError("w8a8 needs fp8 tensor cores (sm_89+); use the weight-only default")
     tiles = tiles or gemm_tiles(x2.shape[0], n, k, x2.device)
     scale = weight_scale.reshape(-1) if kind != "block" else weight_scale
     bn, bk = _block(block_size) if kind == "block" else (1, 1)
@@ -120,11 +148,14 @@ def fp8_linear(
         tiles = tiles._replace(block_k=block_k)
     stride_sn = scale.stride(0) if kind == "block" else 0
 
-    def args(y, k_per_split):
-        return (x2, weight, scale, bias if bias is not None else scale, y, x2.shape[0], n, k,
-                x2.stride(0), weight.stride(0), stride_sn, y.stride(0), k_per_split, bn, bk)  # fmt: skip
+    xq, x_scale = fp8_quantize_rows(x2) if w8a8 else (x2, scale)
 
-    return _run(_fp8_kernel, x2, n, bias, tiles, out_shape, args, dict(SCALE=_SCALE_KIND[kind]))
+    def args(y, k_per_split):
+        return (xq, x_scale, weight, scale, bias if bias is not None else scale, y, x2.shape[0],
+                n, k, xq.stride(0), weight.stride(0), stride_sn, y.stride(0), k_per_split, bn, bk)  # fmt: skip
+
+    consts = dict(SCALE=_SCALE_KIND[kind], X_FP8=w8a8)
+    return _run(_fp8_kernel, xq, n, bias, tiles, out_shape, args, consts, dtype=x2.dtype)
 
 
 def _check_int4(x, qweight, scales, qzeros, group_size, layout, g_idx) -> tuple[int, int, int]:

@@ -142,6 +142,18 @@ def _block(block_size) -> tuple[int, int]:
     return bn, bk
 
 
+FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
+
+
+def fp8_quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic per-token FP8 activations: (xq float8_e4m3fn [M, K], scale fp32 [M]) with
+    scale = max|x_row| / 448 and xq = x / scale rounded to nearest; x ~= xq * scale."""
+    xf = x.float()
+    scale = xf.abs().amax(dim=-1).clamp(min=1e-12) / FP8_MAX
+    xq = (xf / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return xq, scale
+
+
 def fp8_dequantize(weight: torch.Tensor, scale: torch.Tensor, block_size=None) -> torch.Tensor:
     """The fp32 W [out, in] = weight * scale of an FP8 linear (see the module doc)."""
     kind = fp8_scale_kind(tuple(weight.shape), scale, block_size)

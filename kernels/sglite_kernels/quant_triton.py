@@ -42,13 +42,14 @@ def _epilogue(acc, B, Out, offs_m, offs_n, mask_m, mask_n, stride_om, pid_k, HAS
 
 @triton.jit
 def _fp8_kernel(
-    X, W, S, B, Out, M, N, K,
+    X, XS, W, S, B, Out, M, N, K,
     stride_xm, stride_wn, stride_sn, stride_om,
     k_per_split, scale_bn, scale_bk,
-    SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
+    SCALE: tl.constexpr, X_FP8: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
+    """X_FP8: x is fp8 with a scale per row in XS (w8a8; the dot multiplies fp8 operands)."""
     pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -64,6 +65,7 @@ def _fp8_kernel(
     for k0 in range(k_start, k_end, BLOCK_K):
         mask_k = offs_k < k_end
         a = tl.load(x_ptr, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        # weight-only: fp8 -> x's dtype (exact); w8a8: a is fp8 too and this is a no-op
         w = tl.load(w_ptr, mask=mask_k[:, None] & mask_n[None, :], other=0.0).to(a.dtype)
         part = _tile_dot(a, w, DOT_FP32, PRECISION)
         if SCALE == 2:  # one (bn x bk) block per column in this K tile (BLOCK_K divides bk)
@@ -78,6 +80,8 @@ def _fp8_kernel(
         acc = acc * tl.load(S).to(tl.float32)
     elif SCALE == 1:
         acc = acc * tl.load(S + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    if X_FP8:
+        acc = acc * tl.load(XS + offs_m, mask=mask_m, other=0.0)[:, None]
     _epilogue(acc, B, Out, offs_m, offs_n, mask_m, mask_n, stride_om, pid_k, HAS_BIAS, SPLIT)
 
 
