@@ -212,8 +212,10 @@ def int4_linear(
     tiles: Tiles | None = None,
 ) -> torch.Tensor:
     """x @ W + bias in x's dtype (fp32 accumulation), W the AWQ or GPTQ int4 weight [in, out]
-    (see quant_ref). Pass g_idx only when it is not k // group_size (act-order checkpoints):
-    a given g_idx scales every weight element. `tiles` overrides gemm_tiles."""
+    (see quant_ref). Pass g_idx only when it is not k // group_size (act-order checkpoints;
+    gptq_g_idx_is_trivial tells): a given g_idx scales every weight element. Its values must
+    lie in [0, groups): not checked here, as that would read the device. `tiles` overrides
+    gemm_tiles."""
     k, n, gs = _check_int4(x, qweight, scales, qzeros, group_size, layout, g_idx)
     x2 = _check_x(x, k)
     _check_bias(bias, n)
