@@ -281,6 +281,8 @@ def test_validation_errors_name_the_field():
         fp8_linear(x, weight, torch.ones(8, 8), (8, 8))
     with pytest.raises(ValueError, match="block_size"):
         fp8_linear(x, weight, scale, 32)
+    with pytest.raises(ValueError, match="tiles"):
+        fp8_linear(x, weight, scale, tiles=Tiles(16, 8, 16))
 
 
 def test_kernels_compile_for_hopper_and_pipeline():

@@ -81,6 +81,8 @@ def _run(kernel, x2, n, bias, tiles: Tiles, out_shape, args, consts, dtype=None)
     """Launch `kernel` over y [m, n] of `dtype` (x2's by default)."""
     m, k = x2.shape
     dtype = dtype or x2.dtype
+    if any(b < 16 or b & (b - 1) for b in tiles[:3]) or tiles.split_k < 1:
+        raise ValueError(f"tiles must be powers of two >= 16 and split_k >= 1, got {tiles}")
     split = tiles.split_k > 1
     out = torch.zeros if split else torch.empty
     y = out(m, n, dtype=torch.float32 if split else dtype, device=x2.device)
