@@ -25,8 +25,9 @@ fi
 export SGL_TREE_CORE=auto
 "$PY" -c 'import sglite.core as c; c.load(); print(c.describe())' 2>&1 | tee -a "$OUT/summary.log"
 
-log "pytest -m gpu (fused MoE apart, below)"
-timeout 300 "$PY" -m pytest -q -m gpu -p no:cacheprovider --ignore=tests/test_moe_triton.py tests \
+log "pytest -m gpu (fused MoE and quantized GEMMs apart, below)"
+timeout 300 "$PY" -m pytest -q -m gpu -p no:cacheprovider --ignore=tests/test_moe_triton.py \
+  --ignore=tests/test_quant_triton.py tests \
   > "$OUT/pytest_gpu.log" 2>&1
 log "pytest exit $? : $(tail -n 1 "$OUT/pytest_gpu.log")"
 
@@ -38,6 +39,16 @@ log "fused MoE tests exit $? : $(tail -n 1 "$OUT/pytest_moe_triton.log")"
 log "fused MoE kernel vs per-expert loops"
 timeout 180 "$PY" benches/bench_moe_triton.py --out "$OUT/moe_triton.json" > "$OUT/moe_triton.log" 2>&1
 log "fused MoE bench exit $? : $(tail -n 5 "$OUT/moe_triton.log")"
+
+log "pytest -m gpu tests/test_quant_triton.py (FP8 / AWQ / GPTQ GEMMs at 4096x4096 vs the references)"
+timeout 150 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/test_quant_triton.py \
+  > "$OUT/pytest_quant_triton.log" 2>&1
+log "quant GEMM tests exit $? : $(tail -n 1 "$OUT/pytest_quant_triton.log")"
+
+log "quantized GEMMs vs bf16 matmul (TFLOP/s, GB/s)"
+timeout 150 "$PY" benches/bench_quant_triton.py --iters 10 --out "$OUT/quant_triton.json" \
+  > "$OUT/quant_triton.log" 2>&1
+log "quant GEMM bench exit $? : $(tail -n 1 "$OUT/quant_triton.log")"
 
 log "decode kernel bandwidth"
 timeout 120 "$PY" benches/bench_decode_kernel.py --out "$OUT/decode_kernel.json" > "$OUT/decode_kernel.log" 2>&1
