@@ -217,3 +217,29 @@ def test_cuda_branch_hands_the_checkpoint_tensors_to_the_kernels(
     assert torch.equal(qzeros, ckpt[f"{name}.qzeros"])
     if opts.get("act_order"):
         assert torch.equal(g_idx, ckpt[f"{name}.g_idx"])
+
+
+@pytest.mark.parametrize(
+    ("method", "opts"),
+    [
+        ("gptq", dict(group_size=32, act_order=True)),
+        ("awq", dict(group_size=32)),
+        ("fp8", dict(scale="block", block=(32, 32))),
+    ],
+    ids=["gptq-act-order", "awq", "fp8-block"],
+)
+def test_cuda_branch_with_the_real_triton_kernels(
+    monkeypatch, tiny_model_dir, tmp_path, method, opts
+):
+    """The same CUDA branch on the real `sglite_kernels.quant_gemm` kernels (Triton's
+    interpreter on CPU tensors): the loader's and the kernels' layout contracts agree (GPTQ's
+    stored `zero - 1`, AWQ's nibble order, FP8 block scales)."""
+    from test_quant_safetensors import greedy, runner
+
+    monkeypatch.setattr(qc, "kernel_forms", lambda device: True)
+    quant_dir, ref_dir = write_quantized(tiny_model_dir("llama"), tmp_path, method, **opts)
+    prompts = [[1, 5, 9, 14]]
+    want, want_logits = greedy(runner(ref_dir), prompts)
+    got, got_logits = greedy(runner(quant_dir), prompts)
+    assert got == want
+    torch.testing.assert_close(got_logits, want_logits, atol=1e-3, rtol=1e-3)
