@@ -199,3 +199,33 @@ fn unavailable_isa_is_an_error_not_a_crash() {
         assert!(matmul(&w, &[0.0; 32], 1, &mut [0.0], 1, run).is_err());
     }
 }
+
+/// The activations' AVX-512 rounding gives the portable loop's levels, scales and sums bit
+/// for bit: random groups, an all-zero group, exact ties (`v * inv` = k + 1/2), huge and tiny
+/// magnitudes, infinities, and a group with a NaN (left to the portable loop).
+#[test]
+fn activation_rounding_simd_equals_portable() {
+    if !Isa::Avx512.is_available() {
+        return;
+    }
+    let mut rng = Rng::new(15);
+    let mut x = random_x(8, 256, &mut rng);
+    x[32..64].fill(0.0);
+    for (i, v) in x[64..96].iter_mut().enumerate() {
+        *v = (i as f32 - 15.5) * 127.0 / 16.0 * 2.0 / 127.0 * 63.5; // halves of the scale
+    }
+    x[96..128].iter_mut().for_each(|v| *v *= 1e30);
+    x[128..160].iter_mut().for_each(|v| *v *= 1e-38);
+    x[160] = f32::INFINITY;
+    x[200] = f32::NAN;
+    let (simd, portable) = (
+        Acts::quantize_with(&x, 8, 256, true),
+        Acts::quantize_with(&x, 8, 256, false),
+    );
+    assert_eq!(simd.q, portable.q);
+    assert_eq!(simd.qsum16, portable.qsum16);
+    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&simd.scale), bits(&portable.scale));
+    assert_eq!(bits(&simd.scale16), bits(&portable.scale16));
+    assert_eq!(bits(&simd.sum16), bits(&portable.sum16));
+}
