@@ -72,23 +72,11 @@ def int8_gemm(xq: torch.Tensor, wq: torch.Tensor) -> torch.Tensor:
     return (xq.to(torch.float64) @ wq.to(torch.float64).T).to(torch.int32)
 
 
-@dataclass(frozen=True)
-class Int8Rows:
-    """w8a8_int8: `weight` int8 `[rows, in]`, `scale` float32 `[rows]` (per output channel)."""
+class _WeightRows:
+    """The rows interface (`quant_linear.PackedWeight`'s segments) of a class holding its
+    `[rows, in]` weight tensor as `weight`."""
 
     weight: torch.Tensor
-    scale: torch.Tensor
-    qtype: str = "w8a8_int8"
-
-    def __post_init__(self) -> None:
-        w, s = self.weight, self.scale
-        if w.dtype != torch.int8 or w.dim() != 2:
-            raise ValueError(f"w8a8_int8 weight must be 2-D int8, got {w.dtype} {tuple(w.shape)}")
-        if s.shape != (w.shape[0],):
-            raise ValueError(
-                f"w8a8_int8 weight_scale must hold one scale per output row ({w.shape[0]}), got "
-                f"{tuple(s.shape)}"
-            )
 
     @property
     def data(self) -> torch.Tensor:
@@ -108,6 +96,25 @@ class Int8Rows:
 
     def dim(self) -> int:
         return 2
+
+
+@dataclass(frozen=True)
+class Int8Rows(_WeightRows):
+    """w8a8_int8: `weight` int8 `[rows, in]`, `scale` float32 `[rows]` (per output channel)."""
+
+    weight: torch.Tensor
+    scale: torch.Tensor
+    qtype: str = "w8a8_int8"
+
+    def __post_init__(self) -> None:
+        w, s = self.weight, self.scale
+        if w.dtype != torch.int8 or w.dim() != 2:
+            raise ValueError(f"w8a8_int8 weight must be 2-D int8, got {w.dtype} {tuple(w.shape)}")
+        if s.shape != (w.shape[0],):
+            raise ValueError(
+                f"w8a8_int8 weight_scale must hold one scale per output row ({w.shape[0]}), got "
+                f"{tuple(s.shape)}"
+            )
 
     def narrow(self, dim: int, start: int, length: int) -> Int8Rows:
         _narrow_check(self.shape, dim, start, length, "w8a8_int8 weight")
@@ -153,32 +160,13 @@ def fp8_dequantize(
 
 
 @dataclass(frozen=True)
-class Fp8Rows:
+class Fp8Rows(_WeightRows):
     """fp8: `weight` float8_e4m3fn `[rows, in]` and its scale (see `fp8_dequantize`)."""
 
     weight: torch.Tensor
     scale: torch.Tensor
     block_size: tuple[int, int] | None = None
     qtype: str = "fp8"
-
-    @property
-    def data(self) -> torch.Tensor:
-        return self.weight
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return tuple(self.weight.shape)
-
-    @property
-    def num_rows(self) -> int:
-        return self.weight.shape[0]
-
-    @property
-    def in_features(self) -> int:
-        return self.weight.shape[1]
-
-    def dim(self) -> int:
-        return 2
 
     def narrow(self, dim: int, start: int, length: int) -> Fp8Rows:
         _narrow_check(self.shape, dim, start, length, "fp8 weight")
