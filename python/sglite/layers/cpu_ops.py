@@ -136,3 +136,41 @@ def rope(
         torch.get_num_threads(),
     )
     return q_out, k_out
+
+
+_POOL_DTYPES = {
+    torch.float32: "float32",
+    torch.bfloat16: "bfloat16",
+    torch.float8_e4m3fn: "float8_e4m3fn",
+    torch.float8_e5m2: "float8_e5m2",
+}
+
+
+def kv_store(buffer: torch.Tensor, loc: torch.Tensor, rows: torch.Tensor) -> bool | None:
+    """`buffer[loc] = rows` in the buffer's dtype (a KV pool layer `[slots, H, D]`; rows
+    `[T, H, D]`, float32 or bfloat16, heads contiguous): torch's rounding, fp8 saturated as
+    `kv_dtype.to_store` does. True when done, None when the native path does not apply."""
+    pool_dtype = _POOL_DTYPES.get(buffer.dtype)
+    dtype = _dtype(rows)
+    if pool_dtype is None or dtype is None or buffer.device.type != "cpu":
+        return None
+    if loc.dtype != torch.int64 or loc.device.type != "cpu" or loc.dim() != 1:
+        return None
+    head_rows = _head_rows(rows)
+    if head_rows is None or buffer.dim() != 3 or buffer.shape[1:] != rows.shape[1:]:
+        return None
+    if not buffer.is_contiguous() or loc.shape[0] != rows.shape[0]:
+        return None
+    loc = loc.contiguous()
+    (addr, span), stride = head_rows
+    _native().kv_store(
+        (addr, span),
+        stride,
+        rows.shape[1] * rows.shape[2],
+        _raw(loc),
+        (buffer.data_ptr(), buffer.numel() * buffer.element_size()),
+        dtype,
+        pool_dtype,
+        torch.get_num_threads(),
+    )
+    return True

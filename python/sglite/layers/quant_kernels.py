@@ -128,6 +128,21 @@ class Prepared:
         self.core.quant_matmul(*self.args, x_raw, n, span, ld, isa, kernel, num_threads)
 
 
+def segments_call(native: list[tuple[int, Prepared | torch.Tensor]]) -> tuple | None:
+    """`(sglite._core.quant_matmul_many, its segment arguments)` for a merged weight's
+    prepared segments `[(first output column, Prepared)]`: one native call that rounds x
+    once and spreads every segment's rows over the threads (q, k and v; gate and up). None
+    for a single segment or one held as float rows."""
+    core = _native()
+    if len(native) < 2 or not hasattr(core, "quant_matmul_many"):
+        return None
+    if not all(isinstance(p, Prepared) for _, p in native):
+        return None
+    # Prepared.args: (qtype, span, rows, in_features, row stride)
+    args = [(p.args[0], p.args[1], p.args[2], p.args[4], col) for col, p in native]
+    return core.quant_matmul_many, args
+
+
 def matmul(
     x: torch.Tensor,
     qtype: str,

@@ -189,6 +189,8 @@ class PackedWeight:
         # (gemv up to quant_kernels.EXACT_GEMV_MAX_ROWS rows, gemm_f32 beyond); or one kernel
         self.kernel: str | None = None
         self._native: list[tuple[int, quant_kernels.Prepared | torch.Tensor]] | None = None
+        # (function, segment args) of one native call for all the segments, or None
+        self._many: tuple | None = None
         # the segments when some multiply themselves (quant_rows); () when none do
         self._own: list | tuple | None = None
 
@@ -205,7 +207,7 @@ class PackedWeight:
                 raise ValueError(f"{what}: rows {row}:{row + want} are already loaded")
         self.segments.append((row, rows))
         self.segments.sort(key=lambda s: s[0])
-        self._native = self._own = None
+        self._native = self._own = self._many = None
 
     @property
     def is_complete(self) -> bool:
@@ -243,11 +245,17 @@ class PackedWeight:
             if kernel == "exact":
                 exact_gemv = flat.shape[0] <= quant_kernels.EXACT_GEMV_MAX_ROWS
                 kernel = "gemv" if exact_gemv else "gemm_f32"
-            for row, prepared in native:
-                if isinstance(prepared, torch.Tensor):  # DenseRows
-                    y[:, row : row + prepared.shape[0]] = flat @ prepared.T
-                else:
-                    prepared.run(flat, y, row, kernel, threads)
+            if self._many is not None:  # one native call for all the segments
+                x_raw, y_raw = (flat.data_ptr(), flat.numel()), (y.data_ptr(), y.numel())
+                n, width = y.shape
+                self._many[0](self._many[1], self.in_features, x_raw, n, y_raw, width, None,
+                              kernel, threads)  # fmt: skip
+            else:
+                for row, prepared in native:
+                    if isinstance(prepared, torch.Tensor):  # DenseRows
+                        y[:, row : row + prepared.shape[0]] = flat @ prepared.T
+                    else:
+                        prepared.run(flat, y, row, kernel, threads)
         else:
             flat = flat.to(torch.float32)
             y = torch.cat([flat @ seg.dequantize().T for _, seg in self.segments], dim=-1)
@@ -282,6 +290,7 @@ class PackedWeight:
                     else (row, quant_kernels.Prepared(seg.qtype, seg.data, self.in_features))
                     for row, seg in self.segments
                 ]
+                self._many = quant_kernels.segments_call(self._native)
         return self._native
 
     def dequantize(self) -> torch.Tensor:

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from sglite.layers import cpu_ops
 from sglite.mem_cache.kv_dtype import copy_rows, to_store
 
 
@@ -199,8 +200,9 @@ class KVPool:
 
     def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Scatter this step's K/V (`[T, num_kv_heads, head_dim]`) to slots `loc` (`[T]`, int64)."""
-        copy_rows(self.k_buffer[layer_id], loc, to_store(k, self.dtype))
-        copy_rows(self.v_buffer[layer_id], loc, to_store(v, self.dtype))
+        for buf, rows in ((self.k_buffer[layer_id], k), (self.v_buffer[layer_id], v)):
+            if cpu_ops.kv_store(buf, loc, rows) is None:  # not a CPU pool the kernel takes
+                copy_rows(buf, loc, to_store(rows, self.dtype))
 
     def memory_bytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.buffers)

@@ -33,6 +33,7 @@ pub(crate) mod kernel;
 pub mod ops;
 pub mod pool;
 mod rope;
+pub mod store;
 
 use std::fmt;
 
@@ -110,8 +111,13 @@ pub(crate) fn err<T>(msg: String) -> Result<T, AttnError> {
     Err(AttnError(msg))
 }
 
-/// Below this many (key, KV head) pairs a second thread costs more than it saves.
-const MIN_PARALLEL_WORK: usize = 8192;
+/// Below this much work a second thread costs more than it saves. Work: per (key, KV head)
+/// pair, its K and V elements read plus the multiply-adds of the query heads that share
+/// them, `(head_dim + v_dim) * (1 + heads per KV head)`. Measured on 2 cores (one row,
+/// torch's OpenMP team): one thread is as fast at ~300K, SmolLM2's shape at 190 keys or a
+/// 7B's (32 heads of 128, no grouping) at 18; the 7B at 160 keys took 96 us on one thread
+/// and 45 on two (a threshold of 8192 pairs had kept it on one).
+const MIN_PARALLEL_WORK: usize = 300_000;
 
 /// Attention of one query token per row; writes `out` (`[n, num_heads, v_dim]`).
 pub fn decode_attention<T: Elem, K: KvElem>(
@@ -250,7 +256,9 @@ impl DecodePlan {
         num_threads: usize,
     ) -> Result<(), AttnError> {
         let v_row = self.check(layer, out.len())?;
-        let threads = if self.costs.iter().sum::<usize>() < MIN_PARALLEL_WORK {
+        let d = &layer.dims;
+        let per_pair = (d.head_dim + d.v_dim) * (1 + d.num_heads / d.num_kv_heads.max(1));
+        let threads = if self.costs.iter().sum::<usize>() * per_pair < MIN_PARALLEL_WORK {
             1
         } else {
             num_threads.max(1)

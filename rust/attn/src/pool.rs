@@ -10,7 +10,7 @@
 
 use std::ffi::{c_uint, c_void};
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Mutex;
 
 /// libgomp's `void GOMP_parallel(void (*fn)(void *), void *data, unsigned num_threads,
@@ -39,17 +39,70 @@ pub fn for_each(n: usize, threads: usize, work: &(dyn Fn(usize) + Sync)) {
         return;
     }
     let next = AtomicUsize::new(0);
-    let panic = Mutex::new(None);
-    let drain = || {
-        let caught = catch_unwind(AssertUnwindSafe(|| loop {
-            let i = next.fetch_add(1, Ordering::Relaxed);
-            if i >= n {
-                break;
+    on_team(threads, &|_| loop {
+        let i = next.fetch_add(1, Ordering::Relaxed);
+        if i >= n {
+            break;
+        }
+        work(i);
+    });
+}
+
+/// As `for_each`, but each thread first takes a contiguous share of `0..n` (an equal one),
+/// front to back, and only then helps with the others' shares from their backs. For work
+/// that streams memory in index order: each thread reads one run of addresses, which the
+/// hardware prefetchers follow, instead of a chunk every other one (a 7B's decode matmuls
+/// read their weights at 44-52 GB/s this way, 39-43 taking the next index; the same
+/// machine, runs alternated), and a thread that falls behind is still helped at the end.
+pub fn for_each_streamed(n: usize, threads: usize, work: &(dyn Fn(usize) + Sync)) {
+    let threads = threads.min(n);
+    if threads <= 1 || n > u32::MAX as usize {
+        return for_each(n, threads, work);
+    }
+    // share s: the indices lo..hi still to take, as (lo << 32) | hi
+    let pack = |lo: usize, hi: usize| ((lo as u64) << 32) | hi as u64;
+    let shares: Vec<AtomicU64> = (0..threads)
+        .map(|s| AtomicU64::new(pack(n * s / threads, n * (s + 1) / threads)))
+        .collect();
+    let take = |share: &AtomicU64, front: bool| -> Option<usize> {
+        let mut cur = share.load(Ordering::Relaxed);
+        loop {
+            let (lo, hi) = ((cur >> 32) as usize, (cur & 0xffff_ffff) as usize);
+            if lo >= hi {
+                return None;
             }
+            let (next, i) = if front {
+                (pack(lo + 1, hi), lo)
+            } else {
+                (pack(lo, hi - 1), hi - 1)
+            };
+            match share.compare_exchange_weak(cur, next, Ordering::Relaxed, Ordering::Relaxed) {
+                Ok(_) => return Some(i),
+                Err(now) => cur = now,
+            }
+        }
+    };
+    on_team(threads, &|me| {
+        while let Some(i) = take(&shares[me], true) {
             work(i);
-        }));
-        if let Err(payload) = caught {
-            next.store(n, Ordering::Relaxed); // the others stop at their next index
+        }
+        for k in 1..threads {
+            while let Some(i) = take(&shares[(me + k) % threads], false) {
+                work(i);
+            }
+        }
+    });
+}
+
+/// Runs `drain(t)` on `threads` threads (this one included), t = 0, 1, .. in the order they
+/// start, and returns when all are done; a panic in one is raised again here after all
+/// stop (each `drain` must end on its own: the work left is what the others take).
+fn on_team(threads: usize, drain: &(dyn Fn(usize) + Sync)) {
+    let joined = AtomicUsize::new(0);
+    let panic = Mutex::new(None);
+    let run = || {
+        let me = joined.fetch_add(1, Ordering::Relaxed) % threads;
+        if let Err(payload) = catch_unwind(AssertUnwindSafe(|| drain(me))) {
             panic
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
@@ -60,24 +113,24 @@ pub fn for_each(n: usize, threads: usize, work: &(dyn Fn(usize) + Sync)) {
     if addr == 0 {
         std::thread::scope(|scope| {
             for _ in 1..threads {
-                scope.spawn(drain);
+                scope.spawn(run);
             }
-            drain();
+            run();
         });
     } else {
         extern "C" fn trampoline(data: *mut c_void) {
             // SAFETY: `data` is the `&dyn Fn()` below, alive until GOMP_parallel returns; no
-            // panic crosses this frame (`drain` catches them).
-            let drain = unsafe { &*(data as *const &(dyn Fn() + Sync)) };
-            drain();
+            // panic crosses this frame (`run` catches them).
+            let run = unsafe { &*(data as *const &(dyn Fn() + Sync)) };
+            run();
         }
-        let drain: &(dyn Fn() + Sync) = &drain;
+        let run: &(dyn Fn() + Sync) = &run;
         // SAFETY: `set_openmp_parallel`'s contract makes `addr` a live GOMP_parallel.
         unsafe {
             let parallel: GompParallel = std::mem::transmute(addr);
             parallel(
                 trampoline,
-                &drain as *const &(dyn Fn() + Sync) as *mut c_void,
+                &run as *const &(dyn Fn() + Sync) as *mut c_void,
                 threads as c_uint,
                 0,
             );

@@ -1,6 +1,6 @@
 //! `sglite._core`: PyO3 bindings of the Rust tree core (radix tree, page allocator, budget)
 //! and of the CPU kernels: decode attention (`DecodePlan`) and the decoder layer's fused
-//! element-wise steps (`rms_norm`, `gated_mul`, `rope`).
+//! element-wise steps (`rms_norm`, `gated_mul`, `rope`) and the K/V writes (`kv_store`).
 //!
 //! Same classes, methods, results and exceptions as the Python twin in `sglite.core`; bad
 //! arguments raise ValueError, unlock of an unlocked node, free-group misuse and broken
@@ -37,6 +37,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(ops::rms_norm, m)?)?;
     m.add_function(wrap_pyfunction!(ops::gated_mul, m)?)?;
     m.add_function(wrap_pyfunction!(ops::rope, m)?)?;
+    m.add_function(wrap_pyfunction!(ops::kv_store, m)?)?;
     quant::register(m)?;
     Ok(())
 }

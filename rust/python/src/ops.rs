@@ -1,11 +1,12 @@
 //! `sglite._core.rms_norm`, `gated_mul`, `rope`: the Python face of `cpu_attn::ops`, the
-//! decoder layer's fused element-wise steps on the CPU.
+//! decoder layer's fused element-wise steps on the CPU; `kv_store`: `cpu_attn::store`.
 //!
 //! As with `DecodePlan`, tensors cross as `(address, element count)`; the only caller,
 //! `sglite.layers.cpu_ops`, checks device, dtype and layout and keeps the tensors alive for
 //! the call. Size mismatches raise ValueError and write nothing.
 
 use cpu_attn::ops::{self, HeadRows};
+use cpu_attn::store::{self, Rows, StoreKind};
 use cpu_attn::{AttnError, Bf16, Elem};
 use pyo3::prelude::*;
 
@@ -169,6 +170,59 @@ pub fn rope(
             run::<f32>(raws, strides, heads, head_dim, num_threads)
         } else {
             run::<Bf16>(raws, strides, heads, head_dim, num_threads)
+        }
+    }))
+}
+
+/// `pool[slots[t]] = rows[t]` converted to `pool_dtype` (float32, bfloat16, float8_e4m3fn,
+/// float8_e5m2): `rows` are `len(slots)` rows of `width` elements of `dtype`, `row_stride`
+/// apart; `pool` is the layer's buffer as `(address, bytes)`.
+#[pyfunction]
+#[pyo3(signature = (rows, row_stride, width, slots, pool, dtype, pool_dtype, num_threads))]
+#[allow(clippy::too_many_arguments)]
+pub fn kv_store(
+    py: Python<'_>,
+    rows: (usize, usize),
+    row_stride: usize,
+    width: usize,
+    slots: (usize, usize),
+    pool: (usize, usize),
+    dtype: &str,
+    pool_dtype: &str,
+    num_threads: usize,
+) -> PyResult<()> {
+    let size = elem_size(dtype)?;
+    let kind = StoreKind::from_name(pool_dtype).ok_or_else(|| {
+        value_error(format!(
+            "pool dtype {pool_dtype:?}: float32, bfloat16, float8_e4m3fn or float8_e5m2"
+        ))
+    })?;
+    let (rows, slots, pool) = (
+        Raw::new("rows", rows, size)?,
+        Raw::new("slots", slots, 8)?,
+        Raw::new("pool", pool, kind.size())?,
+    );
+    // SAFETY: the caller passes live tensors of these sizes; the pool overlaps neither input.
+    unsafe fn run<T: Elem>(
+        rows: &Raw,
+        (row_stride, width): (usize, usize),
+        slots: &Raw,
+        pool: &Raw,
+        kind: StoreKind,
+        threads: usize,
+    ) -> Result<(), AttnError> {
+        let rows = Rows {
+            data: rows.slice::<T>(),
+            row_stride,
+            width,
+        };
+        store::store(&rows, slots.slice(), pool.slice_mut(), kind, threads)
+    }
+    to_py(py.allow_threads(|| unsafe {
+        if size == 4 {
+            run::<f32>(&rows, (row_stride, width), &slots, &pool, kind, num_threads)
+        } else {
+            run::<Bf16>(&rows, (row_stride, width), &slots, &pool, kind, num_threads)
         }
     }))
 }

@@ -83,6 +83,57 @@ pub fn quant_matmul(
     to_py(ran).map(Kernel::name)
 }
 
+/// One weight of a `quant_matmul_many` call: (qtype name, w, rows, row stride, first column).
+type Segment = (String, (usize, usize), usize, usize, usize);
+
+/// `quant_matmul` of several weights of one `cols` sharing x, each segment `(qtype_name, w,
+/// rows, row_stride, col)` writing y's columns `col..col + rows` (`quant::matmul_segments`).
+#[pyfunction]
+#[pyo3(signature = (segments, cols, x, n, y, ld_y, isa_name, kernel_name, num_threads))]
+#[allow(clippy::too_many_arguments)]
+pub fn quant_matmul_many(
+    py: Python<'_>,
+    segments: Vec<Segment>,
+    cols: usize,
+    x: (usize, usize),
+    n: usize,
+    y: (usize, usize),
+    ld_y: usize,
+    isa_name: Option<&str>,
+    kernel_name: Option<&str>,
+    num_threads: usize,
+) -> PyResult<&'static str> {
+    let (isa, kernel) = (isa(isa_name)?, kernel(kernel_name)?);
+    let mut raws = Vec::with_capacity(segments.len());
+    for (name, w, rows, row_stride, col) in &segments {
+        raws.push((
+            qtype(name)?,
+            Raw::new("w", *w, 1)?,
+            *rows,
+            *row_stride,
+            *col,
+        ));
+    }
+    let (x, y) = (Raw::new("x", x, 4)?, Raw::new("y", y, 4)?);
+    let run = Run {
+        isa,
+        kernel,
+        threads: num_threads,
+    };
+    // SAFETY: as in `quant_matmul`; y overlaps no weight.
+    let ran = py.allow_threads(|| unsafe {
+        let mut ws = Vec::with_capacity(raws.len());
+        for (qtype, w, rows, row_stride, col) in &raws {
+            ws.push((
+                Weights::new(*qtype, w.slice::<u8>(), *rows, cols, *row_stride)?,
+                *col,
+            ));
+        }
+        quant::matmul_segments(&ws, x.slice::<f32>(), n, y.slice_mut::<f32>(), ld_y, run)
+    });
+    to_py(ran).map(Kernel::name)
+}
+
 /// `out [rows, cols] = W` in f32 (W as in `quant_matmul`).
 #[pyfunction]
 #[pyo3(signature = (qtype_name, w, rows, cols, row_stride, out, isa_name, num_threads))]
@@ -118,6 +169,7 @@ pub fn quant_isas() -> Vec<&'static str> {
 /// Registers the functions and `QUANT_TYPES` (name -> (block_len, block_bytes, ggml id)).
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(quant_matmul, m)?)?;
+    m.add_function(wrap_pyfunction!(quant_matmul_many, m)?)?;
     m.add_function(wrap_pyfunction!(quant_dequantize, m)?)?;
     m.add_function(wrap_pyfunction!(quant_isas, m)?)?;
     let types = pyo3::types::PyDict::new(m.py());

@@ -257,26 +257,7 @@ pub fn matmul(
     run: Run,
 ) -> Result<Kernel, QuantError> {
     check_isa(run.isa)?;
-    if n.checked_mul(w.cols) != Some(x.len()) {
-        return err(format!(
-            "x has {} values, not n * in_features = {n} * {}",
-            x.len(),
-            w.cols
-        ));
-    }
-    let y_need = match n {
-        0 => Some(0),
-        _ => (n - 1)
-            .checked_mul(ld_y)
-            .and_then(|v| v.checked_add(w.rows)),
-    };
-    if ld_y < w.rows || y_need.is_none_or(|need| y.len() < need) {
-        return err(format!(
-            "y ({} values, rows {ld_y} apart) cannot hold {n} rows of {} outputs",
-            y.len(),
-            w.rows
-        ));
-    }
+    check_xy(w, 0, x, n, y.len(), ld_y)?;
     let kernel = run.kernel.unwrap_or_else(|| Kernel::auto(n));
     if n == 0 || w.rows == 0 {
         return Ok(kernel);
@@ -296,17 +277,125 @@ pub fn matmul(
     Ok(kernel)
 }
 
+/// Checks x `[n, w.cols]` and that y (`y_len` values, rows `ld_y` apart) holds columns
+/// `col..col + w.rows` of `n` rows.
+fn check_xy(
+    w: &Weights<'_>,
+    col: usize,
+    x: &[f32],
+    n: usize,
+    y_len: usize,
+    ld_y: usize,
+) -> Result<(), QuantError> {
+    if n.checked_mul(w.cols) != Some(x.len()) {
+        return err(format!(
+            "x has {} values, not n * in_features = {n} * {}",
+            x.len(),
+            w.cols
+        ));
+    }
+    let width = col.checked_add(w.rows);
+    let y_need = match n {
+        0 => Some(0),
+        _ => (n - 1)
+            .checked_mul(ld_y)
+            .and_then(|v| v.checked_add(width?)),
+    };
+    if width.is_none_or(|width| ld_y < width) || y_need.is_none_or(|need| y_len < need) {
+        return err(format!(
+            "y ({y_len} values, rows {ld_y} apart) cannot hold {n} rows of outputs {col}..{}",
+            col.saturating_add(w.rows)
+        ));
+    }
+    Ok(())
+}
+
+/// `y[:, col_s .. col_s + rows_s] = x W_s^T` for each segment `(W_s, col_s)` (one `cols`):
+/// a merged layer's weights (q, k and v; gate and up), each in its own format, as one call.
+/// The GEMV kernels round x once and spread all the segments' rows over the threads in one
+/// go (one run of rows each), where a call per segment paid for each its own rounding, fork
+/// and join, and ramp of the memory streams. Segments' columns must not overlap. Returns the
+/// kernel that ran.
+pub fn matmul_segments(
+    segments: &[(Weights<'_>, usize)],
+    x: &[f32],
+    n: usize,
+    y: &mut [f32],
+    ld_y: usize,
+    run: Run,
+) -> Result<Kernel, QuantError> {
+    check_isa(run.isa)?;
+    let mut cols: Vec<(usize, usize)> = Vec::with_capacity(segments.len());
+    for (w, col) in segments {
+        if w.cols != segments[0].0.cols {
+            return err(format!(
+                "segments take {} and {} inputs; one call needs one in_features",
+                segments[0].0.cols, w.cols
+            ));
+        }
+        check_xy(w, *col, x, n, y.len(), ld_y)?;
+        cols.push((*col, col + w.rows));
+    }
+    cols.sort_unstable();
+    if cols.windows(2).any(|c| c[1].0 < c[0].1) {
+        return err(format!("segments' output columns overlap: {cols:?}"));
+    }
+    let kernel = run.kernel.unwrap_or_else(|| Kernel::auto(n));
+    let problems: Vec<Problem<'_>> = segments
+        .iter()
+        .filter(|(w, _)| w.rows > 0)
+        .map(|(w, col)| Problem {
+            w: *w,
+            x,
+            n,
+            y: OutPtr(y.as_mut_ptr().wrapping_add(*col)), // inside y: `check_xy`
+            ld_y,
+        })
+        .collect();
+    if n == 0 || problems.is_empty() {
+        return Ok(kernel);
+    }
+    let threads = run.threads.max(1);
+    match kernel {
+        Kernel::Gemv | Kernel::GemvInt8 => gemv_many(&problems, kernel, run.isa, threads),
+        Kernel::GemmF32 | Kernel::GemmInt8 => {
+            for p in &problems {
+                gemm(p, kernel, run.isa, threads)
+            }
+        }
+    }
+    Ok(kernel)
+}
+
 /// Rows of W per GEMV task: enough tasks to balance the threads, each long enough to stream.
+/// (The GEMV runs them as `pool::for_each_streamed`: each thread's tasks one run of rows.)
 fn gemv_task_rows(rows: usize, threads: usize) -> usize {
     rows.div_ceil(threads * 8).clamp(4, 64)
 }
 
 fn gemv(p: &Problem<'_>, kernel: Kernel, isa: Isa, threads: usize) {
-    let acts = (kernel == Kernel::GemvInt8).then(|| act::Acts::quantize(p.x, p.n, p.w.cols));
-    let step = gemv_task_rows(p.w.rows, threads);
-    let tasks = p.w.rows.div_ceil(step);
-    cpu_attn::pool::for_each(tasks, threads, &|t| {
-        let rows = t * step..((t + 1) * step).min(p.w.rows);
+    gemv_many(std::slice::from_ref(p), kernel, isa, threads)
+}
+
+/// The GEMV of problems that share x (`matmul_segments`).
+fn gemv_many(problems: &[Problem<'_>], kernel: Kernel, isa: Isa, threads: usize) {
+    let p0 = &problems[0];
+    let acts = (kernel == Kernel::GemvInt8).then(|| act::Acts::quantize(p0.x, p0.n, p0.w.cols));
+    let total: usize = problems.iter().map(|p| p.w.rows).sum();
+    let step = gemv_task_rows(total, threads);
+    // (problem, rows) of each task, the problems' rows in order
+    let tasks: Vec<(usize, std::ops::Range<usize>)> = problems
+        .iter()
+        .enumerate()
+        .flat_map(|(i, p)| {
+            (0..p.w.rows)
+                .step_by(step)
+                .map(move |r| (i, r..(r + step).min(p.w.rows)))
+        })
+        .collect();
+    cpu_attn::pool::for_each_streamed(tasks.len(), threads, &|t| {
+        let (i, rows) = tasks[t].clone();
+        let p = &problems[i];
         // SAFETY: `p` was checked in `matmul`, `isa` is available, and task `t` alone writes
         // columns `rows` of y.
         unsafe {

@@ -13,6 +13,15 @@ pub(crate) trait Isa: Copy {
     /// `acc += a * x`. SAFETY: as `dot`.
     unsafe fn axpy<T: KvElem>(self, acc: &mut [f32], a: f32, x: &[T], d: usize);
 
+    /// What the block primitives understate the true values of K/V of type T by (a power of
+    /// two; 1 by default): `scores` takes q multiplied by it and `weighted_sum` returns the
+    /// sum divided by it (AVX-512's fp8 e4m3 loads skip the scaling; the caller undoes it
+    /// once per task, exactly). `dot` and `axpy` are never scaled.
+    #[inline(always)]
+    fn raw_scale<T: KvElem>(self) -> f32 {
+        1.0
+    }
+
     /// `out[t] = q . keys[t]` for a block of key rows (`d` elements each).
     /// SAFETY: as `dot`, and every pointer addresses `d` readable elements.
     #[inline(always)]

@@ -43,8 +43,10 @@ pub(crate) unsafe fn run_tasks<T: Elem, K: KvElem>(
 ) {
     #[cfg(target_arch = "x86_64")]
     {
-        if std::arch::is_x86_feature_detected!("avx512f") {
-            // SAFETY: the CPU has AVX-512F (checked just above).
+        if std::arch::is_x86_feature_detected!("avx512f")
+            && std::arch::is_x86_feature_detected!("avx512bw")
+        {
+            // SAFETY: the CPU has AVX-512F and BW (checked just above).
             return run_avx512(plan, p, v_row, tasks, out);
         }
         if std::arch::is_x86_feature_detected!("avx2")
@@ -59,7 +61,7 @@ pub(crate) unsafe fn run_tasks<T: Elem, K: KvElem>(
 }
 
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
+#[target_feature(enable = "avx512f,avx512bw")]
 unsafe fn run_avx512<T: Elem, K: KvElem>(
     plan: &DecodePlan,
     p: &Layer<'_, T, K>,
@@ -226,9 +228,11 @@ unsafe fn run_body<T: Elem, K: KvElem, H: HeadDim, V: HeadDim, I: Isa>(
         q.clear();
         offsets.clear();
         let mut total = 0;
+        let raw = isa.raw_scale::<K>(); // a power of two: the scalings are exact
+        let q_scale = p.scale * raw;
         for &i in members {
             let at = (i * num_kv_heads + h) * task_len;
-            q.extend(p.q[at..at + task_len].iter().map(|x| x.to_f32() * p.scale));
+            q.extend(p.q[at..at + task_len].iter().map(|x| x.to_f32() * q_scale));
             offsets.push(total);
             total += per_kv * plan.slots(i).len();
         }
@@ -293,7 +297,7 @@ unsafe fn run_body<T: Elem, K: KvElem, H: HeadDim, V: HeadDim, I: Isa>(
                 .zip(acc_m.chunks_exact(dv))
                 .enumerate()
             {
-                let inv = 1.0 / sums[m * per_kv + j];
+                let inv = raw / sums[m * per_kv + j];
                 for (o, a) in o.iter_mut().zip(a) {
                     *o = T::from_f32(a * inv);
                 }

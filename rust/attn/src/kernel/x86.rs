@@ -30,11 +30,32 @@ impl Isa for Avx512 {
         axpy512(acc.as_mut_ptr(), a, x.as_ptr(), d)
     }
     #[inline(always)]
+    fn raw_scale<T: KvElem>(self) -> f32 {
+        if T::KIND == Kind::E4m3 {
+            E4M3_RAW_SCALE
+        } else {
+            1.0
+        }
+    }
+    #[inline(always)]
     unsafe fn scores<T: KvElem>(self, q: &[f32], keys: &[*const T], out: &mut [f32], d: usize) {
-        if keys.len() != 16 || !d.is_multiple_of(16) || out.len() < 16 {
+        let whole = keys.len() == 16 && d.is_multiple_of(16) && out.len() >= 16;
+        if T::KIND == Kind::E4m3 {
+            // q comes scaled by E4M3_RAW_SCALE (`raw_scale`): the raw loads' scores are
+            // exact; a block holding a NaN byte, or a partial one, takes the exact loads
+            if whole && !any_e4m3_nan(keys, d) {
+                return scores16::<T, true>(q[..d].as_ptr(), keys, out.as_mut_ptr(), d);
+            }
+            scores_by_dot(self, q, keys, out, d);
+            for o in &mut out[..keys.len()] {
+                *o *= 1.0 / E4M3_RAW_SCALE;
+            }
+            return;
+        }
+        if !whole {
             return scores_by_dot(self, q, keys, out, d);
         }
-        scores16(q[..d].as_ptr(), keys, out.as_mut_ptr(), d)
+        scores16::<T, false>(q[..d].as_ptr(), keys, out.as_mut_ptr(), d)
     }
     #[inline(always)]
     unsafe fn weighted_sum<T: KvElem>(
@@ -44,11 +65,30 @@ impl Isa for Avx512 {
         values: &[*const T],
         d: usize,
     ) {
+        let n = weights.len().min(values.len());
+        if T::KIND == Kind::E4m3 {
+            // the sum comes out divided by E4M3_RAW_SCALE (`raw_scale`)
+            if d.is_multiple_of(16) && !any_e4m3_nan(&values[..n], d) {
+                return weighted_sum512::<T, true>(
+                    acc[..d].as_mut_ptr(),
+                    &weights[..n],
+                    &values[..n],
+                    d,
+                );
+            }
+            let mut scaled = [0f32; 16];
+            for (ws, vs) in weights[..n].chunks(16).zip(values[..n].chunks(16)) {
+                for (s, &w) in scaled.iter_mut().zip(ws) {
+                    *s = w * (1.0 / E4M3_RAW_SCALE);
+                }
+                weighted_sum_by_axpy(self, acc, &scaled[..ws.len()], vs, d);
+            }
+            return;
+        }
         if !d.is_multiple_of(16) {
             return weighted_sum_by_axpy(self, acc, weights, values, d);
         }
-        let n = weights.len().min(values.len());
-        weighted_sum512(acc[..d].as_mut_ptr(), &weights[..n], &values[..n], d)
+        weighted_sum512::<T, false>(acc[..d].as_mut_ptr(), &weights[..n], &values[..n], d)
     }
 }
 
@@ -96,6 +136,51 @@ pub(crate) unsafe fn load16<T: KvElem>(p: *const T) -> __m512 {
             _mm512_mul_ps(_mm512_cvtph_ps(half), _mm512_set1_ps(256.0))
         }
     }
+}
+
+/// What the raw e4m3 loads (`load16_raw`) understate values by: 2^8.
+pub(crate) const E4M3_RAW_SCALE: f32 = 256.0;
+
+/// Sixteen elements at `p` as f32, e4m3 as its value / `E4M3_RAW_SCALE` (exact): the byte
+/// sign-extended to 16 bits and shifted puts sign, exponent and mantissa where an f16 has
+/// them (less the bit that sign extension also set), and f16 has the range for every e4m3
+/// value over 2^8, subnormals included. Three integer operations where `load16` takes
+/// nine, which was most of a decode step's attention on an fp8 pool. The NaN pattern reads
+/// as 480 / 2^8: callers check for it first (`any_e4m3_nan`). Other kinds: `load16`.
+#[target_feature(enable = "avx512f")]
+#[inline]
+pub(crate) unsafe fn load16_raw<T: KvElem>(p: *const T) -> __m512 {
+    if T::KIND != Kind::E4m3 {
+        return load16(p);
+    }
+    let words = _mm256_cvtepi8_epi16(_mm_loadu_si128(p as *const __m128i));
+    let half = _mm256_and_si256(_mm256_slli_epi16::<7>(words), _mm256_set1_epi16(-0x4001));
+    _mm512_cvtph_ps(half)
+}
+
+/// Whether any of the `d` bytes (a multiple of 16) at any row is an e4m3 NaN (S.1111.111).
+/// SAFETY: `d` bytes readable at every row; the CPU has AVX-512BW.
+#[target_feature(enable = "avx512f,avx512bw")]
+#[inline]
+pub(crate) unsafe fn any_e4m3_nan<T>(rows: &[*const T], d: usize) -> bool {
+    // the bytes' low 7 bits, their running maximum: 0x7f somewhere iff a NaN
+    let (low, low16) = (_mm512_set1_epi8(0x7f), _mm_set1_epi8(0x7f));
+    let (mut top, mut top16) = (_mm512_setzero_si512(), _mm_setzero_si128());
+    for &row in rows {
+        let row = row as *const u8;
+        let mut c = 0;
+        while c + 64 <= d {
+            let v = _mm512_loadu_si512(row.add(c) as *const _);
+            top = _mm512_max_epu8(top, _mm512_and_si512(v, low));
+            c += 64;
+        }
+        while c < d {
+            let v = _mm_loadu_si128(row.add(c) as *const __m128i);
+            top16 = _mm_max_epu8(top16, _mm_and_si128(v, low16));
+            c += 16;
+        }
+    }
+    _mm512_cmpeq_epi8_mask(top, low) != 0 || _mm_movemask_epi8(_mm_cmpeq_epi8(top16, low16)) != 0
 }
 
 /// SAFETY: `d` (a multiple of 16) elements readable at `q` and `k`.
@@ -177,21 +262,35 @@ unsafe fn axpy256<T: KvElem>(acc: *mut f32, a: f32, x: *const T, d: usize) {
     }
 }
 
-/// Sixteen dot products of `q` with sixteen key rows: sixteen vector accumulators, then one
-/// transposing reduction (lane i of the result is the sum of accumulator i) instead of a
-/// horizontal sum per key.
+/// Sixteen dot products of `q` with sixteen key rows (`RAW`: through `load16_raw`): sixteen
+/// vector accumulators, then one transposing reduction (lane i of the result is the sum of
+/// accumulator i) instead of a horizontal sum per key.
 /// SAFETY: `d` (a multiple of 16) elements at `q` and at every key; 16 writable at `out`.
 #[target_feature(enable = "avx512f")]
 #[inline]
-unsafe fn scores16<T: KvElem>(q: *const f32, keys: &[*const T], out: *mut f32, d: usize) {
+unsafe fn scores16<T: KvElem, const RAW: bool>(
+    q: *const f32,
+    keys: &[*const T],
+    out: *mut f32,
+    d: usize,
+) {
+    // key by key, each row read start to end, over a block of a fixed 16: its accumulators
+    // stay in registers (over a slice of keys they went to the stack and back every key;
+    // with the raw loads, one thread's fp8 step at 160 keys 128 -> 96 us)
+    let keys: &[*const T; 16] = keys.try_into().expect("a block of 16 keys");
     let mut acc = [_mm512_setzero_ps(); 16];
-    let mut c = 0;
-    while c < d {
-        let qv = _mm512_loadu_ps(q.add(c));
-        for (a, &key) in acc.iter_mut().zip(keys) {
-            *a = _mm512_fmadd_ps(qv, load16(key.add(c)), *a);
+    for i in 0..16 {
+        let (a, key) = (&mut acc[i], keys[i]);
+        let mut c = 0;
+        while c < d {
+            let k = if RAW {
+                load16_raw(key.add(c))
+            } else {
+                load16(key.add(c))
+            };
+            *a = _mm512_fmadd_ps(_mm512_loadu_ps(q.add(c)), k, *a);
+            c += 16;
         }
-        c += 16;
     }
     _mm512_storeu_ps(out, transpose_sum16(acc));
 }
@@ -227,17 +326,38 @@ unsafe fn transpose_sum16(v: [__m512; 16]) -> __m512 {
     fold(fold(quads[0], quads[1]), fold(quads[2], quads[3]))
 }
 
-/// `acc += sum_t weights[t] * values[t]`, the accumulator held in registers over the block.
+/// `acc += sum_t weights[t] * values[t]`, the accumulator held in registers over the block
+/// (`RAW`: the values through `load16_raw`).
 /// SAFETY: `d` (a multiple of 16) elements at `acc` and at every value row.
 #[target_feature(enable = "avx512f")]
 #[inline]
-unsafe fn weighted_sum512<T: KvElem>(
+unsafe fn weighted_sum512<T: KvElem, const RAW: bool>(
     acc: *mut f32,
     weights: &[f32],
     values: &[*const T],
     d: usize,
 ) {
+    // 128-wide chunks (eight accumulators): each value row in one pass for the usual head
+    // sizes
     let mut c = 0;
+    while c + 128 <= d {
+        let mut a = [_mm512_setzero_ps(); 8];
+        for (k, a) in a.iter_mut().enumerate() {
+            *a = _mm512_loadu_ps(acc.add(c + 16 * k));
+        }
+        for (&w, &value) in weights.iter().zip(values) {
+            let w = _mm512_set1_ps(w);
+            for (k, a) in a.iter_mut().enumerate() {
+                let at = value.add(c + 16 * k);
+                let v = if RAW { load16_raw(at) } else { load16(at) };
+                *a = _mm512_fmadd_ps(w, v, *a);
+            }
+        }
+        for (k, a) in a.iter().enumerate() {
+            _mm512_storeu_ps(acc.add(c + 16 * k), *a);
+        }
+        c += 128;
+    }
     while c + 64 <= d {
         let mut a = [
             _mm512_loadu_ps(acc.add(c)),
@@ -248,7 +368,9 @@ unsafe fn weighted_sum512<T: KvElem>(
         for (&w, &value) in weights.iter().zip(values) {
             let w = _mm512_set1_ps(w);
             for (k, a) in a.iter_mut().enumerate() {
-                *a = _mm512_fmadd_ps(w, load16(value.add(c + 16 * k)), *a);
+                let at = value.add(c + 16 * k);
+                let v = if RAW { load16_raw(at) } else { load16(at) };
+                *a = _mm512_fmadd_ps(w, v, *a);
             }
         }
         for (k, a) in a.iter().enumerate() {
@@ -259,7 +381,12 @@ unsafe fn weighted_sum512<T: KvElem>(
     while c < d {
         let mut a = _mm512_loadu_ps(acc.add(c));
         for (&w, &value) in weights.iter().zip(values) {
-            a = _mm512_fmadd_ps(_mm512_set1_ps(w), load16(value.add(c)), a);
+            let v = if RAW {
+                load16_raw(value.add(c))
+            } else {
+                load16(value.add(c))
+            };
+            a = _mm512_fmadd_ps(_mm512_set1_ps(w), v, a);
         }
         _mm512_storeu_ps(acc.add(c), a);
         c += 16;

@@ -217,3 +217,113 @@ fn bf16_pool_under_f32_queries() {
     decode_attention(&p, &mut out, 2).unwrap();
     assert!(max_abs_diff(&out, &want) < 2e-5);
 }
+
+#[test]
+fn raw_e4m3_loads_and_the_nan_check() {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use crate::kernel::x86::{any_e4m3_nan, load16_raw, E4M3_RAW_SCALE};
+        use std::arch::x86_64::*;
+        if !(std::arch::is_x86_feature_detected!("avx512f")
+            && std::arch::is_x86_feature_detected!("avx512bw"))
+        {
+            return;
+        }
+        let bytes: Vec<E4m3> = (0..=255u8).map(E4m3).collect();
+        let mut got = [0f32; 16];
+        for chunk in bytes.chunks(16) {
+            // SAFETY: AVX-512F is present; 16 elements at the pointer.
+            unsafe { _mm512_storeu_ps(got.as_mut_ptr(), load16_raw(chunk.as_ptr())) };
+            for (g, x) in got.iter().zip(chunk) {
+                if x.0 & 0x7f != 0x7f {
+                    let want = x.to_f32();
+                    assert_eq!(
+                        (g * E4M3_RAW_SCALE).to_bits(),
+                        want.to_bits(),
+                        "byte {:#x}",
+                        x.0
+                    );
+                }
+            }
+        }
+        // the check finds either NaN byte at every offset of rows of 16, 48 and 128 bytes
+        for d in [16usize, 48, 128] {
+            for nan in [0x7fu8, 0xff] {
+                for at in 0..d {
+                    let clean = vec![0x7eu8; d];
+                    let mut dirty = vec![0xfeu8; d];
+                    dirty[at] = nan;
+                    let rows = [clean.as_ptr(), dirty.as_ptr()];
+                    // SAFETY: AVX-512F and BW are present; d bytes at each row.
+                    unsafe {
+                        assert!(any_e4m3_nan(&rows, d), "d {d} at {at}");
+                        assert!(!any_e4m3_nan(&rows[..1], d));
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// An e4m3 NaN in the pool, on every path (full blocks of 16 keys and the tail): in V it
+/// makes the heads that read it NaN; in K its score is NaN, which the softmax weighs as
+/// ~1e-38 (`exp_nonpositive`), so the key drops out, as if the row did not attend it. The
+/// other KV head is untouched either way. (Read as the finite 480 it would do neither.)
+#[test]
+fn an_e4m3_nan_in_the_pool_reaches_the_heads_that_read_it() {
+    let dims = Dims::same(4, 2, 64);
+    let len = 40; // two full blocks of 16 and a tail of 8
+    let slot = dims.num_kv_heads * dims.head_dim;
+    let mut rng = Rng(77);
+    let q: Vec<f32> = (0..dims.num_heads * dims.head_dim)
+        .map(|_| rng.unit())
+        .collect();
+    let run = |k: &[E4m3], v: &[E4m3], table: &[i32]| {
+        let p = Problem {
+            q: &q,
+            k,
+            v,
+            table,
+            table_width: table.len(),
+            rows: &[0],
+            seq_lens: &[table.len() as i64],
+            dims,
+            scale: 0.125,
+            window: None,
+            variant: Variant::default(),
+        };
+        let mut out = vec![0f32; q.len()];
+        decode_attention(&p, &mut out, 1).unwrap();
+        out
+    };
+    let all: Vec<i32> = (0..len as i32).collect();
+    for (in_k, pos) in [(true, 3usize), (true, 35), (false, 20), (false, 39)] {
+        let mut k: Vec<E4m3> = (0..len * slot)
+            .map(|_| E4m3(finite_byte(&mut rng, &E4M3, 2.0)))
+            .collect();
+        let mut v = k.clone();
+        let clean = run(&k, &v, &all);
+        let without: Vec<i32> = all.iter().copied().filter(|&s| s != pos as i32).collect();
+        let dropped = run(&k, &v, &without);
+        let at = pos * slot + dims.head_dim + 5; // KV head 1, element 5 of position `pos`
+        if in_k {
+            k[at] = E4m3(0x7f);
+        } else {
+            v[at] = E4m3(0xff);
+        }
+        let out = run(&k, &v, &all);
+        let group = dims.num_heads / dims.num_kv_heads;
+        for (h, head) in out.chunks(dims.head_dim).enumerate() {
+            let at = h * dims.head_dim..(h + 1) * dims.head_dim;
+            let what = format!("k {in_k} pos {pos} head {h}");
+            if h / group == 0 {
+                assert_eq!(head, &clean[at], "{what}");
+            } else if in_k {
+                let diff = head.iter().zip(&dropped[at]).map(|(a, b)| (a - b).abs());
+                assert!(diff.fold(0f32, f32::max) < 1e-6, "{what}");
+            } else {
+                assert!(head.iter().any(|x| x.is_nan()), "{what}");
+            }
+        }
+    }
+}

@@ -137,3 +137,42 @@ fn for_each_runs_every_index_once_and_raises_panics_after_the_join() {
     });
     assert!(caught.is_err());
 }
+
+#[test]
+fn streamed_shares_run_every_index_once_each_thread_in_order() {
+    for (n, threads) in [(0, 2), (1, 3), (7, 2), (100, 3), (1000, 2)] {
+        let counts: Vec<AtomicUsize> = (0..n).map(|_| AtomicUsize::new(0)).collect();
+        // per thread, the indices it ran from its own share, in order
+        let runs = std::sync::Mutex::new(Vec::new());
+        pool::for_each_streamed(n, threads, &|i| {
+            counts[i].fetch_add(1, Ordering::Relaxed);
+            runs.lock().unwrap().push((std::thread::current().id(), i));
+        });
+        assert!(
+            counts.iter().all(|c| c.load(Ordering::Relaxed) == 1),
+            "n {n}"
+        );
+        // each thread starts at a share's front and goes up through it
+        let runs = runs.into_inner().unwrap();
+        for id in runs
+            .iter()
+            .map(|r| r.0)
+            .collect::<std::collections::HashSet<_>>()
+        {
+            let mine: Vec<usize> = runs.iter().filter(|r| r.0 == id).map(|r| r.1).collect();
+            let start = mine[0];
+            let share = (0..threads).find(|&s| n * s / threads == start);
+            let end = n * (share.expect("starts at a share's front") + 1) / threads;
+            let own: Vec<usize> = mine
+                .iter()
+                .copied()
+                .take_while(|&i| i >= start && i < end)
+                .collect();
+            assert_eq!(own, (start..start + own.len()).collect::<Vec<_>>());
+        }
+    }
+    let caught = std::panic::catch_unwind(|| {
+        pool::for_each_streamed(8, 2, &|i| assert!(i != 5, "index five"));
+    });
+    assert!(caught.is_err());
+}
