@@ -16,6 +16,11 @@ pub(crate) struct Acts {
     pub sum16: Vec<f32>,
     /// `[n, cols / 16]`: the sum of the 16 levels, for zero points folded into the integers.
     pub qsum16: Vec<i32>,
+    /// `[n, cols / 32]`: the two halves' `sum16` added, the factor of a 32-weight group's
+    /// offset.
+    pub sum32: Vec<f32>,
+    /// `q` in the order of the k-quant GEMV (`arrange_k`), or empty.
+    pub qk: Vec<i8>,
 }
 
 impl Acts {
@@ -38,6 +43,8 @@ impl Acts {
             scale16: vec![0.0; 2 * groups],
             sum16: vec![0.0; 2 * groups],
             qsum16: vec![0; 2 * groups],
+            sum32: vec![0.0; groups],
+            qk: Vec::new(),
         };
         let _ = simd;
         for (g, src) in x.chunks_exact(32).enumerate() {
@@ -49,6 +56,24 @@ impl Acts {
             acts.quantize32(src, g);
         }
         acts
+    }
+
+    /// Fills `qk`: `q` with each 256-value block in 4 runs of 64, run k holding values
+    /// 4k .. 4k + 4 of each of the block's 16 runs of 16 (run i at 4i), the order in which
+    /// the AVX-512 GEMV lays out a Q4_K / Q5_K super-block's levels (x86::gemv_k). `cols` a
+    /// multiple of 256 (the k-quants' rows are).
+    pub(crate) fn arrange_k(&mut self, cols: usize) {
+        if !cols.is_multiple_of(256) || !self.qk.is_empty() {
+            return;
+        }
+        self.qk = vec![0; self.q.len()];
+        for (src, dst) in self.q.chunks_exact(256).zip(self.qk.chunks_exact_mut(256)) {
+            for k in 0..4 {
+                for i in 0..16 {
+                    dst[64 * k + 4 * i..][..4].copy_from_slice(&src[16 * i + 4 * k..][..4]);
+                }
+            }
+        }
     }
 
     /// Group `g` (the 32 values `src`).
@@ -67,6 +92,7 @@ impl Acts {
             self.scale16[2 * g + h] = scale;
             self.sum16[2 * g + h] = scale * sum as f32;
         }
+        self.sum32[g] = self.sum16[2 * g] + self.sum16[2 * g + 1];
     }
 }
 
@@ -108,6 +134,7 @@ unsafe fn quantize32_avx512(src: &[f32], acts: &mut Acts, g: usize) -> bool {
         acts.scale16[2 * g + h] = scale;
         acts.sum16[2 * g + h] = scale * sum as f32;
     }
+    acts.sum32[g] = acts.sum16[2 * g] + acts.sum16[2 * g + 1];
     true
 }
 

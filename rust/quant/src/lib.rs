@@ -380,7 +380,13 @@ fn gemv(p: &Problem<'_>, kernel: Kernel, isa: Isa, threads: usize) {
 /// The GEMV of problems that share x (`matmul_segments`).
 fn gemv_many(problems: &[Problem<'_>], kernel: Kernel, isa: Isa, threads: usize) {
     let p0 = &problems[0];
-    let acts = (kernel == Kernel::GemvInt8).then(|| act::Acts::quantize(p0.x, p0.n, p0.w.cols));
+    let mut acts = (kernel == Kernel::GemvInt8).then(|| act::Acts::quantize(p0.x, p0.n, p0.w.cols));
+    let paired = |p: &Problem<'_>| matches!(p.w.qtype, QType::Q4K | QType::Q5K);
+    if let Some(a) = acts.as_mut() {
+        if isa == Isa::Avx512 && problems.iter().any(paired) {
+            a.arrange_k(p0.w.cols); // x86::gemv_int8's layout for these formats
+        }
+    }
     let total: usize = problems.iter().map(|p| p.w.rows).sum();
     let step = gemv_task_rows(total, threads);
     // (problem, rows) of each task, the problems' rows in order

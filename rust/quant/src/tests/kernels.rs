@@ -228,4 +228,28 @@ fn activation_rounding_simd_equals_portable() {
     assert_eq!(bits(&simd.scale), bits(&portable.scale));
     assert_eq!(bits(&simd.scale16), bits(&portable.scale16));
     assert_eq!(bits(&simd.sum16), bits(&portable.sum16));
+    assert_eq!(bits(&simd.sum32), bits(&portable.sum32));
+}
+
+#[test]
+fn the_k_order_moves_each_run_of_four_levels_to_its_lane() {
+    let x: Vec<f32> = (0..512)
+        .map(|i| ((i % 251) as f32 - 125.0) / 125.0)
+        .collect();
+    let mut acts = Acts::quantize(&x, 1, 512);
+    acts.arrange_k(512);
+    for (at, &q) in acts.qk.iter().enumerate() {
+        let (block, k, lane, byte) = (at / 256, at % 256 / 64, at % 64 / 4, at % 4);
+        assert_eq!(
+            q,
+            acts.q[256 * block + 16 * lane + 4 * k + byte],
+            "qk[{at}]"
+        );
+    }
+    let mut odd = Acts::quantize(&x[..96], 1, 96);
+    odd.arrange_k(96);
+    assert!(
+        odd.qk.is_empty(),
+        "rows that are not whole super-blocks stay unarranged"
+    );
 }

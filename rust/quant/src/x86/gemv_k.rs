@@ -2,16 +2,18 @@
 //!
 //! The generic `gemv::gemv_int8` handles one 32-weight group at a time: a 256-bit dot product,
 //! then a scalar product of the two scales, a broadcast and an FMA per group, and two scalar
-//! FMAs for the offset, about 14 instructions per 16 bytes of Q4_K, which held one core to
-//! 15 GB/s (Q4_K 4096x4096 from DRAM) where it can read 30. Here a super-block (256
-//! weights) is four 512-bit dot products of 64 levels (two groups) against 64 activations;
-//! each of the 16 lanes holds 4 products of one 16-weight sub-block. The sub-blocks' 16
-//! weight scales times the activations' (one vector multiply per row) are spread to the lanes
-//! by one permute per product, and the 16 offsets meet the activations' 16-value sums in one
-//! FMA per super-block. The values are those of the generic kernel (same levels, same f32
-//! scale products); only the order of f32 additions differs. Measured (Q4_K / Q6_K
-//! 4096x4096 streamed from DRAM, this 2-core machine): one core 15 -> 28 / 11 -> 31 GB/s,
-//! two 21 -> 41 / 19 -> 36 GB/s; a 7B Q4_K_M decode step 197 -> 120-134 ms.
+//! FMAs for the offset, about 14 instructions per 16 bytes of Q4_K. Here a Q4_K / Q5_K
+//! super-block (256 weights) is four 512-bit dot products of 64 levels against 64 activations, in an order of
+//! our choosing (`levels_k`, and the activations in the same order, `Acts::arrange_k`): dword
+//! lane i of each holds 4 weights of sub-block i (16 weights), so the four add up in int32
+//! (exactly) and meet the 16 sub-block scales times the activations' scales in one conversion
+//! and one FMA per super-block; the 16 offsets meet the activations' 16-value sums in one
+//! more. Values are those of the generic kernel (same levels, same f32 scale products); only
+//! the order of f32 additions differs. Measured (this 2-core machine, one core): the file's
+//! order (two groups per product, each product converted and scaled on its own) took 15 -> 28
+//! GB/s (Q4_K / Q6_K 4096x4096 from DRAM on a Xeon: 11 -> 31) over the generic kernel; on a
+//! Zen 4, whose 512-bit operations take two passes, that order ran Q4_K 1024x4096 from cache
+//! at 120.6 us a call, this one at 95.9. Q6_K keeps the file's order (`gemv_int8_k16`).
 //!
 //! `gemv_f32_k` is the exact kernel's twin: sub-block by sub-block, 16 weights widened from
 //! the block's bytes, dequantized in one FMA and multiplied into each row's accumulators (Q4_K
@@ -41,12 +43,75 @@ pub(crate) trait KFmt: Fmt {
     /// The scale and the offset of each 16-weight sub-block (`w = scale * q + offset`).
     /// SAFETY: AVX-512 (F, BW, VL) available; a block's bytes readable at `b`.
     unsafe fn scales16(b: *const u8) -> (__m512, __m512);
-    /// Levels 64c .. 64c + 64 (groups 2c and 2c + 1), unsigned. SAFETY: as `scales16`.
-    unsafe fn levels64(b: *const u8, c: usize) -> __m512i;
-    /// Levels 16i .. 16i + 16 (sub-block i), one per 32-bit lane: widened straight from the
-    /// block's bytes (one shuffle each, where cutting them out of `levels64` takes two).
-    /// SAFETY: as `scales16`.
+    /// Levels 16i .. 16i + 16 (sub-block i), one per 32-bit lane, widened straight from the
+    /// block's bytes. SAFETY: as `scales16`.
     unsafe fn levels16(b: *const u8, i: usize) -> __m512i;
+    /// Whether a scale covers a group of 32 weights, two sub-blocks (Q4_K, Q5_K): then the
+    /// int8 kernel takes the 8 of `scales8` times the activations' per-32 scales.
+    const PAIRED: bool = false;
+    /// The 8 groups' scales and offsets. SAFETY: as `scales16`; `PAIRED`.
+    unsafe fn scales8(b: *const u8) -> (__m256, __m256) {
+        let _ = b;
+        unreachable!("only the paired formats have 8 scales")
+    }
+    /// Levels 4k .. 4k + 4 of each sub-block, sub-block i in dword lane i (the order of
+    /// `Acts::arrange_k`), unsigned. SAFETY: as `scales8`.
+    unsafe fn levels_k(b: *const u8, k: usize) -> __m512i {
+        let _ = (b, k);
+        unreachable!("only the paired formats")
+    }
+    /// Levels 64c .. 64c + 64 (groups 2c and 2c + 1) in the file's order, unsigned, for
+    /// `gemv_int8_k16`. SAFETY: as `scales16`; not `PAIRED`.
+    unsafe fn levels64(b: *const u8, c: usize) -> __m512i {
+        let _ = (b, c);
+        unreachable!("only the unpaired formats")
+    }
+}
+
+/// The two 64-byte halves of the 128 bytes at `p`, as one 32-dword table for
+/// `_mm512_permutex2var_epi32`.
+#[inline(always)]
+unsafe fn halves(p: *const u8) -> (__m512i, __m512i) {
+    (
+        _mm512_loadu_si512(p as *const _),
+        _mm512_loadu_si512(p.add(64) as *const _),
+    )
+}
+
+/// Dword lane i: `idx(i)` (a constant where `idx` folds to one).
+#[inline(always)]
+unsafe fn lanes(idx: impl Fn(i32) -> i32) -> __m512i {
+    _mm512_setr_epi32(
+        idx(0),
+        idx(1),
+        idx(2),
+        idx(3),
+        idx(4),
+        idx(5),
+        idx(6),
+        idx(7),
+        idx(8),
+        idx(9),
+        idx(10),
+        idx(11),
+        idx(12),
+        idx(13),
+        idx(14),
+        idx(15),
+    )
+}
+
+/// Q4_K / Q5_K nibbles at `qs` (128 bytes): sub-block i = 2g + t is half t of group g, the low
+/// (even g) or high nibbles of the 32 bytes at 32 * (g / 2); its levels 4k .. 4k + 4 are the
+/// dword 8 (g / 2) + 4t + k.
+#[inline(always)]
+unsafe fn k4_levels_k(qs: *const u8, k: usize) -> __m512i {
+    let (a, b) = halves(qs);
+    let k = k as i32;
+    let idx = lanes(|i| 8 * (i / 4) + 4 * (i % 2) + k);
+    let shift = lanes(|i| 4 * ((i / 2) % 2));
+    let raw = _mm512_permutex2var_epi32(a, idx, b);
+    _mm512_and_si512(_mm512_srlv_epi32(raw, shift), _mm512_set1_epi8(0x0f))
 }
 
 /// The 16 bytes at `p`, one per 32-bit lane.
@@ -82,16 +147,6 @@ unsafe fn both_halves(p: *const u8) -> __m512i {
     _mm512_broadcast_i64x4(_mm256_loadu_si256(p as *const __m256i))
 }
 
-/// The low nibbles of 32 bytes in the lower half, the high ones in the upper half.
-#[inline(always)]
-unsafe fn nibble_halves(p: *const u8) -> __m512i {
-    let shift = _mm512_inserti64x4::<1>(_mm512_setzero_si512(), _mm256_set1_epi16(4));
-    _mm512_and_si512(
-        _mm512_srlv_epi16(both_halves(p), shift),
-        _mm512_set1_epi8(0x0f),
-    )
-}
-
 #[inline(always)]
 unsafe fn k4_scales16(b: *const u8) -> (__m512, __m512) {
     let (scales, mins) = k4_scale_vectors(b);
@@ -103,9 +158,14 @@ impl KFmt for Q4K {
     unsafe fn scales16(b: *const u8) -> (__m512, __m512) {
         k4_scales16(b)
     }
+    const PAIRED: bool = true;
     #[inline(always)]
-    unsafe fn levels64(b: *const u8, c: usize) -> __m512i {
-        nibble_halves(b.add(16 + 32 * c))
+    unsafe fn scales8(b: *const u8) -> (__m256, __m256) {
+        k4_scale_vectors(b)
+    }
+    #[inline(always)]
+    unsafe fn levels_k(b: *const u8, k: usize) -> __m512i {
+        k4_levels_k(b.add(16), k)
     }
     #[inline(always)]
     unsafe fn levels16(b: *const u8, i: usize) -> __m512i {
@@ -118,13 +178,20 @@ impl KFmt for Q5K {
     unsafe fn scales16(b: *const u8) -> (__m512, __m512) {
         k4_scales16(b)
     }
+    const PAIRED: bool = true;
     #[inline(always)]
-    unsafe fn levels64(b: *const u8, c: usize) -> __m512i {
-        let q = nibble_halves(b.add(48 + 32 * c));
-        // Group j's fifth bits are bit j of the 32 bytes at 16.
-        let lo = _mm256_set1_epi8((1u8 << (2 * c)) as i8);
-        let bits = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), _mm256_add_epi8(lo, lo));
-        let set = _mm512_test_epi8_mask(both_halves(b.add(16)), bits);
+    unsafe fn scales8(b: *const u8) -> (__m256, __m256) {
+        k4_scale_vectors(b)
+    }
+    #[inline(always)]
+    unsafe fn levels_k(b: *const u8, k: usize) -> __m512i {
+        let q = k4_levels_k(b.add(48), k);
+        // group g's fifth bits: bit g of the 32 bytes at 16; sub-block 2g + t's levels
+        // 4k .. 4k + 4 in dword 4t + k of them
+        let qh = _mm512_castsi256_si512(_mm256_loadu_si256(b.add(16) as *const __m256i));
+        let k = k as i32;
+        let fifth = _mm512_permutexvar_epi32(lanes(|i| 4 * (i % 2) + k), qh);
+        let set = _mm512_test_epi8_mask(fifth, lanes(|i| 0x0101_0101 << (i / 2)));
         _mm512_mask_add_epi8(q, set, q, _mm512_set1_epi8(0x10))
     }
     #[inline(always)]
@@ -226,9 +293,81 @@ unsafe fn put(p: &Problem<'_>, r: usize, o: usize, first: bool, v: f32) {
 }
 
 /// SAFETY: `p` checked by `matmul`; AVX-512 (F, BW, VL, VNNI) available; no other thread
-/// writes columns `rows` of y; `acts` quantizes `p.x`; `x0 + N <= p.n`.
+/// writes columns `rows` of y; `acts` quantizes `p.x` and has `qk` (`Acts::arrange_k`);
+/// `x0 + N <= p.n`.
 #[inline(always)]
 pub(crate) unsafe fn gemv_int8_k<F: KFmt, const N: usize>(
+    p: &Problem<'_>,
+    acts: &Acts,
+    rows: Range<usize>,
+    x0: usize,
+) {
+    if !F::PAIRED {
+        return gemv_int8_k16::<F, N>(p, acts, rows, x0);
+    }
+    let cols = p.w.cols;
+    debug_assert_eq!(acts.qk.len(), acts.q.len());
+    let xq = acts.qk.as_ptr().add(x0 * cols);
+    let (scale16, sum16) = (acts.scale16.as_ptr(), acts.sum16.as_ptr());
+    let (scale32, sum32) = (acts.scale.as_ptr(), acts.sum32.as_ptr());
+    let pairs = lanes(|i| i / 2);
+    let blocks = p.w.num_blocks();
+    let step = pass_blocks(N, 1, blocks);
+    for b0 in (0..blocks).step_by(step) {
+        for o in rows.clone() {
+            let mut acc = [_mm512_setzero_ps(); N];
+            let mut off = [_mm512_setzero_ps(); N];
+            let mut off8 = [_mm256_setzero_ps(); N];
+            let row = p.w.row(o).as_ptr();
+            for b in b0..(b0 + step).min(blocks) {
+                let blk = row.add(b * F::BYTES);
+                super::gemv::prefetch(blk.add(super::gemv::PREFETCH_AHEAD));
+                super::gemv::prefetch(blk.add(super::gemv::PREFETCH_AHEAD + 64));
+                let mut dot = [_mm512_setzero_si512(); N];
+                unroll!(K in [0, 1, 2, 3] => {
+                    let q = F::levels_k(blk, K);
+                    for (r, dot_r) in dot.iter_mut().enumerate() {
+                        let x = _mm512_loadu_si512(xq.add(r * cols + 256 * b + 64 * K) as *const _);
+                        *dot_r = _mm512_dpbusd_epi32(*dot_r, q, x);
+                    }
+                });
+                // the sub-blocks' scales times the activations', one per lane
+                let mut scale = [_mm512_setzero_ps(); N];
+                if F::PAIRED {
+                    let (s8, m8) = F::scales8(blk);
+                    for r in 0..N {
+                        let at = (x0 + r) * cols / 32 + 8 * b;
+                        let s = _mm256_mul_ps(s8, _mm256_loadu_ps(scale32.add(at)));
+                        scale[r] = _mm512_permutexvar_ps(pairs, _mm512_castps256_ps512(s));
+                        off8[r] = _mm256_fmadd_ps(m8, _mm256_loadu_ps(sum32.add(at)), off8[r]);
+                    }
+                } else {
+                    let (s16, m16) = F::scales16(blk);
+                    for r in 0..N {
+                        let at = (x0 + r) * cols / 16 + 16 * b;
+                        scale[r] = _mm512_mul_ps(s16, _mm512_loadu_ps(scale16.add(at)));
+                        off[r] = _mm512_fmadd_ps(m16, _mm512_loadu_ps(sum16.add(at)), off[r]);
+                    }
+                }
+                for r in 0..N {
+                    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), scale[r], acc[r]);
+                }
+            }
+            for r in 0..N {
+                let sum = _mm512_reduce_add_ps(_mm512_add_ps(acc[r], off[r]));
+                put(p, x0 + r, o, b0 == 0, sum + super::simd::sum256(off8[r]));
+            }
+        }
+    }
+}
+
+/// `gemv_int8_k` for Q6_K, in the file's order: each product of 64 levels (two groups)
+/// converted and scaled on its own, the 16 sub-block scales spread to its lanes by one
+/// permute (an order like `levels_k`'s costs Q6_K's nibbles and top bits two permutes per
+/// product, which took longer: Zen 4, 1024x4096 from cache, 128 vs 122 us a call).
+/// SAFETY: as `gemv_int8_k`, without `qk`.
+#[inline(always)]
+unsafe fn gemv_int8_k16<F: KFmt, const N: usize>(
     p: &Problem<'_>,
     acts: &Acts,
     rows: Range<usize>,
