@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sglite.layers import cpu_ops
+from sglite.layers.module import DirectCall
 
 
 def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -62,7 +63,7 @@ def check_activation(name: str) -> str:
     return name
 
 
-class Activation(nn.Module):
+class Activation(DirectCall, nn.Module):
     """`act(x)`, element-wise."""
 
     def __init__(self, name: str) -> None:
@@ -74,7 +75,7 @@ class Activation(nn.Module):
         return self.fn(x)
 
 
-class GatedActivation(nn.Module):
+class GatedActivation(DirectCall, nn.Module):
     """`[..., 2d] -> [..., d]`: act of the first half times the second half."""
 
     def __init__(self, name: str) -> None:

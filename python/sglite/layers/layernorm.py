@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sglite.layers import cpu_ops
+from sglite.layers.module import DirectCall
 
 NORM_KINDS = ("rms", "rms_offset", "layer", "layer_nobias", "layer_noparam")
 
@@ -32,7 +33,7 @@ def _ones(size: int | tuple[int, ...], dtype: torch.dtype, device) -> nn.Paramet
     return nn.Parameter(torch.ones(size, dtype=dtype, device=device), requires_grad=False)
 
 
-class _ResidualNorm(nn.Module):
+class _ResidualNorm(DirectCall, nn.Module):
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
         self.hidden_size = hidden_size

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sglite.distributed import NULL_TP_GROUP, TPGroup, local_head_counts
+from sglite.layers.module import DirectCall
 from sglite.layers.rotary_embedding import permute_heads
 
 logger = logging.getLogger(__name__)
@@ -79,7 +80,7 @@ def can_prepack(dtype: torch.dtype) -> bool:
     )
 
 
-class LinearBase(nn.Module):
+class LinearBase(DirectCall, nn.Module):
     """`y = x W^T + b` over a (possibly sharded) weight `[out_shard, in_shard]`."""
 
     def __init__(

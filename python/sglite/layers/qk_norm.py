@@ -23,6 +23,7 @@ from torch import nn
 from sglite.distributed import NULL_TP_GROUP, TPGroup
 from sglite.layers.layernorm import NormSpec
 from sglite.layers.linear import loader_of
+from sglite.layers.module import DirectCall
 from sglite.layers.rotary_embedding import permute_heads
 
 QK_NORM_SCOPES = ("head", "head_weights", "proj")
@@ -73,7 +74,7 @@ def permute_on_load(module: nn.Module, perm: torch.Tensor, head_dim: int) -> Non
         param.weight_loader = load
 
 
-class PerHeadNorm(nn.Module):
+class PerHeadNorm(DirectCall, nn.Module):
     """LayerNorm over each head's dims with a weight (and bias) row per head. Loads the full
     `[heads, head_dim]` tensor, or one head's row with its index as the shard id (StableLM
     stores `norms.<head>.weight`)."""
@@ -115,7 +116,7 @@ class PerHeadNorm(nn.Module):
         return out.to(x.dtype)
 
 
-class ProjectionNorm(nn.Module):
+class ProjectionNorm(DirectCall, nn.Module):
     """RMSNorm over a whole projection `[T, heads * head_dim]` (this rank's heads)."""
 
     def __init__(self, rows, head_dim, eps, dtype, device, tp_group) -> None:

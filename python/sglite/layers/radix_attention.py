@@ -30,11 +30,13 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from sglite.layers.module import DirectCall
+
 if TYPE_CHECKING:
     from sglite.model_executor.forward_batch import ForwardBatch
 
 
-class RadixAttention(nn.Module):
+class RadixAttention(DirectCall, nn.Module):
     def __init__(
         self,
         num_heads: int,

@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from sglite.layers import cpu_ops
+from sglite.layers.module import DirectCall
 from sglite.layers.rope_scaling import (
     check_rope_type,
     dynamic_exponents,
@@ -95,7 +96,7 @@ def token_seq_lens(batch: ForwardBatch) -> torch.Tensor:
     )
 
 
-class RotaryEmbedding(nn.Module):
+class RotaryEmbedding(DirectCall, nn.Module):
     def __init__(
         self,
         head_dim: int,

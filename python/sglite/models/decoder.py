@@ -30,6 +30,7 @@ from sglite.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
 )
+from sglite.layers.module import DirectCall
 from sglite.layers.qk_norm import permute_on_load
 from sglite.layers.radix_attention import RadixAttention
 from sglite.layers.rotary_embedding import RotaryEmbedding, rotary_permutation
@@ -84,7 +85,7 @@ class Build:
         return self.spec.norm.build(size, self.dtype, self.device)
 
 
-class DecoderAttention(nn.Module):
+class DecoderAttention(DirectCall, nn.Module):
     def __init__(
         self,
         b: Build,
@@ -165,7 +166,7 @@ class DecoderAttention(nn.Module):
         return out if self.out_scale == 1.0 else out * self.out_scale
 
 
-class DecoderMLP(nn.Module):
+class DecoderMLP(DirectCall, nn.Module):
     """Gated: `down(act(gate) * up)` over the merged `[gate | up]`; plain: `down(act(up))`."""
 
     def __init__(self, b: Build) -> None:
@@ -203,7 +204,7 @@ _LAYOUT_NORMS = {
 }
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(DirectCall, nn.Module):
     def __init__(self, b: Build, attn: nn.Module, mlp: nn.Module) -> None:
         super().__init__()
         self.self_attn, self.mlp = attn, mlp
