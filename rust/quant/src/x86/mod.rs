@@ -6,12 +6,13 @@ mod decode;
 mod gemm;
 mod gemv;
 mod gemv_k;
+mod kfmt;
 mod simd;
 
 use std::ops::Range;
 
 use decode::{with_fmt, Fmt};
-use gemv_k::{with_kfmt, KFmt};
+use kfmt::{with_kfmt, KFmt};
 use simd::{Avx2, Avx512, F32Lanes, IntLanes, Madd, Vnni};
 
 use crate::act::Acts;
