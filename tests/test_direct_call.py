@@ -19,8 +19,8 @@ def test_a_call_runs_the_forward_found_at_call_time_and_skips_hooks():
     # instrumenting forward (benches/decode_step_breakdown.py wraps the class's) still works
     original = RMSNorm.forward
     try:
-        RMSNorm.forward = lambda self, x, residual=None: seen.append("forward") or original(
-            self, x, residual
+        RMSNorm.forward = lambda self, x, residual=None: (
+            seen.append("forward") or original(self, x, residual)
         )
         norm(x)
         ReplicatedLinear(8, 4, bias=False, dtype=torch.float32)(x)
