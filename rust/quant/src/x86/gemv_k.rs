@@ -2,18 +2,21 @@
 //!
 //! The generic `gemv::gemv_int8` handles one 32-weight group at a time: a 256-bit dot product,
 //! then a scalar product of the two scales, a broadcast and an FMA per group, and two scalar
-//! FMAs for the offset, about 14 instructions per 16 bytes of Q4_K. Here a Q4_K / Q5_K
-//! super-block (256 weights) is four 512-bit dot products of 64 levels against 64 activations, in an order of
-//! our choosing (`levels_k`, and the activations in the same order, `Acts::arrange_k`): dword
-//! lane i of each holds 4 weights of sub-block i (16 weights), so the four add up in int32
-//! (exactly) and meet the 16 sub-block scales times the activations' scales in one conversion
-//! and one FMA per super-block; the 16 offsets meet the activations' 16-value sums in one
-//! more. Values are those of the generic kernel (same levels, same f32 scale products); only
-//! the order of f32 additions differs. Measured (this 2-core machine, one core): the file's
-//! order (two groups per product, each product converted and scaled on its own) took 15 -> 28
-//! GB/s (Q4_K / Q6_K 4096x4096 from DRAM on a Xeon: 11 -> 31) over the generic kernel; on a
-//! Zen 4, whose 512-bit operations take two passes, that order ran Q4_K 1024x4096 from cache
-//! at 120.6 us a call, this one at 95.9. Q6_K keeps the file's order (`gemv_int8_k16`).
+//! FMAs for the offset, about 14 instructions per 16 bytes of Q4_K. Here a super-block (256
+//! weights) is four 512-bit dot products of 64 levels against 64 activations.
+//!
+//! Q4_K and Q5_K (`gemv_int8_k`) take them in an order of our choosing (`KFmt::levels_k`, the
+//! activations in the same order, `Acts::arrange_k`): dword lane i of each product holds 4
+//! weights of sub-block i, so the four add up in int32 (exactly) and meet the scales in one
+//! conversion and one FMA per super-block: the 8 group scales times the activations' per-32
+//! scales, paired over the lanes, and the 8 offsets times the activations' 32-value sums.
+//! Q6_K (`gemv_int8_k16`) takes them in the file's order, two groups per product, each
+//! product converted and scaled on its own, the 16 sub-block scales spread to its lanes. The
+//! values are those of the generic kernel (same levels, same f32 scale products); only the
+//! order of f32 additions differs. Measured, one core: the file's order took Q4_K / Q6_K
+//! 4096x4096 from DRAM from 15 / 11 to 28 / 31 GB/s over the generic kernel on a Xeon; on a
+//! Zen 4, whose 512-bit operations take two passes, Q4_K 1024x4096 from cache ran at 136 us
+//! a call in the file's order and at 100 in this one (Q6_K in this order: 128 vs 122).
 //!
 //! `gemv_f32_k` is the exact kernel's twin: sub-block by sub-block, 16 weights widened from
 //! the block's bytes, dequantized in one FMA and multiplied into each row's accumulators (Q4_K
