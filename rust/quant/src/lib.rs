@@ -26,6 +26,7 @@
 
 mod act;
 pub mod format;
+mod run;
 mod scalar;
 #[cfg(test)]
 mod tests;
@@ -256,25 +257,7 @@ pub fn matmul(
     ld_y: usize,
     run: Run,
 ) -> Result<Kernel, QuantError> {
-    check_isa(run.isa)?;
-    check_xy(w, 0, x, n, y.len(), ld_y)?;
-    let kernel = run.kernel.unwrap_or_else(|| Kernel::auto(n));
-    if n == 0 || w.rows == 0 {
-        return Ok(kernel);
-    }
-    let p = Problem {
-        w: *w,
-        x,
-        n,
-        y: OutPtr(y.as_mut_ptr()),
-        ld_y,
-    };
-    let threads = run.threads.max(1);
-    match kernel {
-        Kernel::Gemv | Kernel::GemvInt8 => gemv(&p, kernel, run.isa, threads),
-        Kernel::GemmF32 | Kernel::GemmInt8 => gemm(&p, kernel, run.isa, threads),
-    }
-    Ok(kernel)
+    matmul_segments(&[(*w, 0)], x, n, y, ld_y, run)
 }
 
 /// Checks x `[n, w.cols]` and that y (`y_len` values, rows `ld_y` apart) holds columns
@@ -357,87 +340,15 @@ pub fn matmul_segments(
     }
     let threads = run.threads.max(1);
     match kernel {
-        Kernel::Gemv | Kernel::GemvInt8 => gemv_many(&problems, kernel, run.isa, threads),
+        Kernel::Gemv | Kernel::GemvInt8 => run::gemv_many(&problems, kernel, run.isa, threads),
         Kernel::GemmF32 | Kernel::GemmInt8 => {
             for p in &problems {
-                gemm(p, kernel, run.isa, threads)
+                run::gemm(p, kernel, run.isa, threads)
             }
         }
     }
     Ok(kernel)
 }
-
-/// Rows of W per GEMV task: enough tasks to balance the threads, each long enough to stream.
-/// (The GEMV runs them as `pool::for_each_streamed`: each thread's tasks one run of rows.)
-fn gemv_task_rows(rows: usize, threads: usize) -> usize {
-    rows.div_ceil(threads * 8).clamp(4, 64)
-}
-
-fn gemv(p: &Problem<'_>, kernel: Kernel, isa: Isa, threads: usize) {
-    gemv_many(std::slice::from_ref(p), kernel, isa, threads)
-}
-
-/// The GEMV of problems that share x (`matmul_segments`).
-fn gemv_many(problems: &[Problem<'_>], kernel: Kernel, isa: Isa, threads: usize) {
-    let p0 = &problems[0];
-    let mut acts = (kernel == Kernel::GemvInt8).then(|| act::Acts::quantize(p0.x, p0.n, p0.w.cols));
-    let paired = |p: &Problem<'_>| matches!(p.w.qtype, QType::Q4K | QType::Q5K);
-    if let Some(a) = acts.as_mut() {
-        if isa == Isa::Avx512 && problems.iter().any(paired) {
-            a.arrange_k(p0.w.cols); // x86::gemv_int8's layout for these formats
-        }
-    }
-    let total: usize = problems.iter().map(|p| p.w.rows).sum();
-    let step = gemv_task_rows(total, threads);
-    // (problem, rows) of each task, the problems' rows in order
-    let tasks: Vec<(usize, std::ops::Range<usize>)> = problems
-        .iter()
-        .enumerate()
-        .flat_map(|(i, p)| {
-            (0..p.w.rows)
-                .step_by(step)
-                .map(move |r| (i, r..(r + step).min(p.w.rows)))
-        })
-        .collect();
-    cpu_attn::pool::for_each_streamed(tasks.len(), threads, &|t| {
-        let (i, rows) = tasks[t].clone();
-        let p = &problems[i];
-        // SAFETY: `p` was checked in `matmul`, `isa` is available, and task `t` alone writes
-        // columns `rows` of y.
-        unsafe {
-            match (&acts, isa) {
-                #[cfg(target_arch = "x86_64")]
-                (None, Isa::Avx512 | Isa::Avx2) => x86::gemv_f32(p, rows, isa),
-                #[cfg(target_arch = "x86_64")]
-                (Some(a), Isa::Avx512 | Isa::Avx2) => x86::gemv_int8(p, a, rows, isa),
-                (None, _) => scalar::gemv_f32(p, rows),
-                (Some(a), _) => scalar::gemv_int8(p, a, rows),
-            }
-        }
-    });
-}
-
-fn gemm(p: &Problem<'_>, kernel: Kernel, isa: Isa, threads: usize) {
-    let acts = (kernel == Kernel::GemmInt8).then(|| act::Acts::quantize(p.x, p.n, p.w.cols));
-    let tiles = p.w.rows.div_ceil(TILE_ROWS);
-    cpu_attn::pool::for_each(tiles, threads, &|t| {
-        let rows = t * TILE_ROWS..((t + 1) * TILE_ROWS).min(p.w.rows);
-        // SAFETY: as in `gemv`.
-        unsafe {
-            match (&acts, isa) {
-                #[cfg(target_arch = "x86_64")]
-                (None, Isa::Avx512 | Isa::Avx2) => x86::gemm_f32(p, rows, isa),
-                #[cfg(target_arch = "x86_64")]
-                (Some(a), Isa::Avx512 | Isa::Avx2) => x86::gemm_int8(p, a, rows, isa),
-                (None, _) => scalar::gemv_f32(p, rows),
-                (Some(a), _) => scalar::gemv_int8(p, a, rows),
-            }
-        }
-    });
-}
-
-/// Rows of W in one tile of the GEMM kernels (two 16-lane vectors of outputs).
-pub(crate) const TILE_ROWS: usize = 32;
 
 /// `out[r * cols + c] = W[r, c]` for all rows, in f32 (rounded once from the exact value, as
 /// llama.cpp and gguf-py do).
@@ -457,7 +368,7 @@ pub fn dequantize(
         ));
     }
     let out = &OutPtr(out.as_mut_ptr());
-    let step = gemv_task_rows(w.rows, threads.max(1));
+    let step = run::gemv_task_rows(w.rows, threads.max(1));
     cpu_attn::pool::for_each(w.rows.div_ceil(step), threads.max(1), &|t| {
         for r in t * step..((t + 1) * step).min(w.rows) {
             // SAFETY: row r of `out` (checked length) is written by this task alone.

@@ -1,6 +1,7 @@
 //! The plan: task split, grouping of rows that share a cached prefix, one plan for many layers.
 
 use super::*;
+use crate::plan::split_tasks;
 
 #[test]
 fn tasks_split_into_balanced_contiguous_ranges() {

@@ -21,7 +21,8 @@ use std::ops::Range;
 use super::decode::Fmt;
 use super::simd::{F32Lanes, IntLanes};
 use crate::act::Acts;
-use crate::{Problem, TILE_ROWS};
+use crate::run::TILE_ROWS;
+use crate::Problem;
 
 /// The levels of a tile of W, as `IntLanes::dot4` reads them. Lanes of rows past the end of
 /// W hold stale (initialized) values of an earlier tile: their results are never written.

@@ -16,7 +16,8 @@ use kfmt::{with_kfmt, KFmt};
 use simd::{Avx2, Avx512, F32Lanes, IntLanes, Madd, Vnni};
 
 use crate::act::Acts;
-use crate::{Isa, Problem, Weights, TILE_ROWS};
+use crate::run::TILE_ROWS;
+use crate::{Isa, Problem, Weights};
 
 pub(crate) fn has_avx2() -> bool {
     std::arch::is_x86_feature_detected!("avx2")
