@@ -47,6 +47,7 @@ def test_sglang_flags_with_a_no_op_value_are_accepted():
 def test_quantization_takes_the_modes_sglite_has(capsys):
     args = parse_server_args("--model-path m.gguf --quantization gguf --quant-kernel exact".split())
     assert args.quantization == "gguf" and args.quant_kernel == "exact"
+    assert parse_server_args(["--model-path", "m"]).quant_kernel == "int16"  # the default
     assert parse_server_args(["--model-path", "m"]).quantization is None
     for method in ("w8a8_int8", "fp8", "awq", "gptq"):
         assert (

@@ -116,6 +116,11 @@ def test_packed_model_equals_the_dequantized_one(gguf_case, variant, qtype, kdim
     assert got == want
     torch.testing.assert_close(got_logits, want_logits, atol=1e-4 * scale, rtol=0)
     del exact
+    default = runner(path)  # int16 activations: the same greedy tokens, logits within ~1e-4
+    got, got_logits = greedy(default, ps)
+    assert got == want
+    torch.testing.assert_close(got_logits, want_logits, atol=1e-3 * scale, rtol=0)
+    del default
     fast = runner(path, quant_kernel="auto")
     _, fast_logits = greedy(fast, ps, forced=want)
     err = (fast_logits - want_logits).abs().max().item()
@@ -135,11 +140,13 @@ def _mapped_from(path) -> list[tuple[int, int]]:
     return spans
 
 
-def test_packed_layers_hold_the_files_bytes(gguf_case):
-    """The packed weights are views of the mapped file (no copy), except llama's Q and K,
-    whose rows are un-permuted into a copy; norms are float parameters."""
+def test_packed_layers_hold_one_copy_of_the_files_bytes(gguf_case):
+    """With the file's kernels (exact) the packed weights are views of the mapped file (no
+    copy), except llama's Q and K, whose rows are un-permuted into a copy. With the default
+    (panel) kernels each weight is repacked once, into memory of its own (the file's pages
+    are given back: tests/test_quant_linear.py). Norms are float parameters either way."""
     path = gguf_case("qwen2", "Q4_1", False, None)
-    model = runner(path).model
+    model = runner(path, quant_kernel="exact").model
     spans = _mapped_from(path.resolve())
     assert spans
 
@@ -153,9 +160,22 @@ def test_packed_layers_hold_the_files_bytes(gguf_case):
     assert in_file(model.model.embed_tokens.table.data)
     names = {n for n, _ in model.named_parameters()}
     assert "model.norm.weight" in names and not any(n.endswith("proj.weight") for n in names)
+    del model
+
+    from sglite.layers.quant_linear import PanelRows
+
+    run = runner(path)  # the default kernel: panels
+    model = run.model
+    spans = _mapped_from(path.resolve())
+    packed = [m.packed for m in model.modules() if hasattr(m, "packed") and m.packed.is_complete]
+    layers = [p for p in packed if p is not model.model.embed_tokens.packed]
+    assert layers and all(p._panels is not None for p in layers)
+    segments = [seg for p in layers for _, seg in p.segments]
+    assert all(isinstance(seg, PanelRows) and not in_file(seg.data) for seg in segments)
+    assert in_file(model.model.embed_tokens.table.data)  # lookups read the file's rows
 
     llama_path = gguf_case("llama", "Q8_0", False, None)
-    llama = runner(llama_path).model
+    llama = runner(llama_path, quant_kernel="exact").model
     spans = _mapped_from(llama_path.resolve())
     q, k, v = (seg for _, seg in llama.model.layers[0].self_attn.qkv_proj.packed.segments)
     assert not in_file(q.data) and not in_file(k.data) and in_file(v.data)  # q, k: copies

@@ -137,19 +137,35 @@ def test_row_parallel_shard_must_be_whole_blocks():
 
 def test_replicated_3d_bf16_and_the_torch_path(monkeypatch):
     rows = packed("Q5_1", 40, 96, 8)
-    layer = QuantReplicatedLinear(96, 40, bias=False, dtype=torch.bfloat16)
-    layer.load_packed(rows)
     x = torch.randn(2, 3, 96)
     want = x @ rows.dequantize().T
-    # the default kernels round the activations to int8 (per 32 values: ~1% of a dot's scale)
-    torch.testing.assert_close(layer(x), want, rtol=0, atol=3e-2 * want.abs().max().item())
-    layer.packed.kernel = "gemv"  # exact
-    assert_close(layer(x), want)
-    y = layer(x.to(torch.bfloat16))
+
+    def layer(kernel=None):
+        made = QuantReplicatedLinear(96, 40, bias=False, dtype=torch.bfloat16)
+        made.load_packed(rows)
+        made.packed.kernel = kernel
+        return made
+
+    default = layer()  # int16 activations per 32 values: within ~1e-4 of the dot's scale
+    torch.testing.assert_close(default(x), want, rtol=0, atol=2e-4 * want.abs().max().item())
+    assert default.packed._panels is not None  # repacked: the panel kernels ran
+    int8 = layer("int8")  # llama.cpp's rounding: ~1%
+    torch.testing.assert_close(int8(x), want, rtol=0, atol=3e-2 * want.abs().max().item())
+    exact = layer("gemv")
+    assert_close(exact(x), want)
+    y = exact(x.to(torch.bfloat16))
     assert y.dtype == torch.bfloat16 and y.shape == (2, 3, 40)
     torch.testing.assert_close(y.float(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
+    with pytest.raises(ValueError, match="repacked"):  # one-way: the file kernels need the file
+        default.packed.kernel = "exact"
+        default(x)
     monkeypatch.setattr(quant_kernels, "unavailable_reason", lambda: "forced off")
-    assert_close(layer(x), want)
+    calls = []
+    monkeypatch.setattr(quant_kernels, "panel_matmul", lambda *a: calls.append(a))
+    monkeypatch.setattr(quant_kernels.Prepared, "run", lambda *a: calls.append(a))
+    torch_path = layer()
+    assert_close(torch_path(x), want)  # dequantized by torch, no native call
+    assert torch_path.packed._panels is None and not calls
 
 
 def test_loading_errors_are_clear():
@@ -224,7 +240,7 @@ def test_the_demo_gguf_files_tensors_as_the_file_has_them():
         assert_close(layer(x), twin(x))
 
 
-@pytest.mark.parametrize("kernel", [None, "exact"])
+@pytest.mark.parametrize("kernel", ["gemv_int8", "exact"])
 @pytest.mark.parametrize("n", [1, 3, 40])
 def test_a_merged_weight_in_one_call_equals_a_call_per_segment(kernel, n):
     """q, k, v in three formats go to the kernels as one call (`quant_matmul_many`: one
@@ -248,6 +264,76 @@ def test_a_merged_weight_in_one_call_equals_a_call_per_segment(kernel, n):
         [quant_kernels.matmul(x, s.qtype, s.data, cols, kernel=want_kernel) for s in segs], 1
     )
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("precision", ["int16", "int8"])
+@pytest.mark.parametrize("n", [1, 5, 40])
+def test_panels_of_a_merged_weight_in_one_call_equal_a_panel_call_each(precision, n):
+    """The default kernels: q, k, v in three formats repacked into panels, multiplied in one
+    call; each segment's columns are its own call's, to the bit, and the product is within
+    the activations' rounding of the exact one."""
+    from sglite.layers.quant_linear import PackedWeight, PanelRows
+
+    cols = 512
+    segs = [packed("Q4_K", 96, cols, 1), packed("Q6_K", 40, cols, 2), packed("Q8_0", 24, cols, 3)]
+    weight = PackedWeight(160, cols)
+    for row, seg in zip((0, 96, 136), segs):
+        weight.put(row, seg, seg.num_rows, "w")
+    weight.kernel = precision
+    x = torch.randn(n, cols)
+    got = weight.matmul(x)
+    assert all(isinstance(seg, PanelRows) for _, seg in weight.segments)
+    parts = []
+    for seg in segs:
+        y = torch.empty(n, seg.num_rows)
+        panels = quant_kernels.Panels(seg.qtype, seg.data, cols)
+        quant_kernels.panel_matmul([panels.segment(0)], x, y, precision, 2)
+        parts.append(y)
+    assert torch.equal(got, torch.cat(parts, 1))
+    want = x @ torch.cat([s.dequantize() for s in segs]).T
+    tol = {"int16": 2e-4, "int8": 3e-2}[precision] * want.abs().max().item()
+    torch.testing.assert_close(got, want, rtol=0, atol=tol)
+    torch.testing.assert_close(weight.dequantize(), torch.cat([s.dequantize() for s in segs]))
+
+
+def _resident_kib(path) -> int:
+    """This process's resident KiB of its mappings of `path` (/proc/self/smaps)."""
+    total, inside = 0, False
+    for line in open("/proc/self/smaps"):
+        head = line.split()
+        if head and "-" in head[0] and len(head) >= 5:  # a mapping's first line
+            inside = line.rstrip().endswith(str(path))
+        elif inside and line.startswith("Rss:"):
+            total += int(head[1])
+    return total
+
+
+def test_repacking_gives_the_files_pages_back(tmp_path):
+    """A weight viewed in a mapped file (as the GGUF loader does) leaves the RSS once
+    repacked: the panels are the one copy; reading the file again maps pages back."""
+    import mmap
+
+    import numpy as np
+
+    from sglite.layers.quant_linear import PackedRows, PackedWeight
+
+    rows, cols = 512, 1024  # Q8_0: 544 KiB
+    data = packed("Q8_0", rows, cols, 4).data.numpy()
+    path = tmp_path / "w.bin"
+    path.write_bytes(b"\0" * 100 + data.tobytes())
+    with open(path, "rb") as f:
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    raw = np.frombuffer(mm, dtype=np.uint8, count=data.size, offset=100)
+    rows_view = PackedRows.from_buffer("Q8_0", raw, (rows, cols))
+    assert rows_view.source is mm and rows_view.narrow(0, 0, 16).source is mm
+    want = rows_view.dequantize()  # reads every page
+    assert _resident_kib(path) >= data.size // 1024 - 4
+    weight = PackedWeight(rows, cols)
+    weight.put(0, rows_view, None, "w")
+    assert weight.repack()
+    assert _resident_kib(path) <= 8  # the partial pages at the ends may stay
+    torch.testing.assert_close(weight.dequantize(), want, rtol=0, atol=0)
+    assert torch.equal(rows_view.dequantize(), want)  # the view still reads the file
 
 
 def test_one_call_rejects_overlapping_and_mismatched_segments():

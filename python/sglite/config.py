@@ -86,7 +86,7 @@ class ServerArgs(FrontDoorArgs):
     )
     device: str | None = _f(None, "cuda or cpu (default: cuda when available).")
     quantization: str | None = _f(None, QUANT_HELP, choices=QUANTIZATIONS)
-    quant_kernel: str = _f("exact", KERNEL_HELP, choices=QUANT_KERNELS)
+    quant_kernel: str = _f("int16", KERNEL_HELP, choices=QUANT_KERNELS)
     context_length: int | None = _f(
         None, "Max tokens per request (prompt + output); default from the model config."
     )

@@ -16,11 +16,12 @@ quantized; embeddings, LM head and norms are floats, as in the checkpoint. An ex
 `--quantization` that disagrees with the checkpoint's `quant_method` is an error naming both;
 sglite does not quantize a float checkpoint at load. `--dtype` applies to the activations
 (and the KV cache) in every mode. `--quant-kernel` (packed GGUF blocks, so also awq / gptq on
-CPU): `auto` rounds the activations to int8 per 32 values for integer dot products, as
-llama.cpp does (the fastest kernels: see sglite.layers.quant_kernels); `exact` multiplies
-float32 activations by the dequantized blocks, which gives the dequantized model's logits
-within float rounding (same GEMV speed at decode batch 1-4, about 3x slower tiles for
-prefill and larger batches). `resolve` is the one place that turns the flag, the input, the
+CPU): `int16` (default) repacks each weight once into panels of 16 rows and rounds the
+activations to 16-bit integer levels per 32 values for integer dot products (within ~3e-5 of
+the exact product: the dequantized model's greedy tokens); `int8` rounds them to int8 as
+llama.cpp does (faster prefill, llama.cpp's rounding error); `auto` is int8's former name;
+`exact` multiplies float32 activations by the file's blocks dequantized in registers (the
+reference: the dequantized model's logits within float rounding, 2-5x slower). `resolve` is the one place that turns the flag, the input, the
 checkpoint's method and the device into the mode the loader uses; a combination it cannot
 serve is a ValueError naming the flag.
 """
@@ -30,14 +31,15 @@ from __future__ import annotations
 QUANTIZATIONS = ("gguf", "none", "w8a8_int8", "fp8", "awq", "gptq")
 CHECKPOINT_METHODS = ("w8a8_int8", "fp8", "awq", "gptq")  # sglite.models.quant_checkpoint
 FAMILY_METHODS = ("mxfp4",)  # a model family decodes these itself (gpt-oss's experts)
-QUANT_KERNELS = ("exact", "auto")
+QUANT_KERNELS = ("int16", "int8", "exact", "auto")
 KERNEL_HELP = (
-    "Kernels of --quantization gguf (and awq / gptq on CPU, repacked into GGUF blocks). exact "
-    "(default): float32 activations on the dequantized blocks (the dequantized model's numbers "
-    "within float rounding, so the same greedy tokens as transformers on the GGUF); auto: int8 "
-    "activations (per 32 values, as llama.cpp), ~3x faster prefill and batched decode, the same "
-    "decode speed up to 4 rows, but llama.cpp's rounding error (it changes answers of small "
-    "models)."
+    "Kernels of --quantization gguf (and awq / gptq on CPU, repacked into GGUF blocks). int16 "
+    "(default): the weights repacked at load into panels of 16 rows, activations rounded to "
+    "16-bit levels per 32 values (within ~3e-5 of the exact product, so the dequantized "
+    "model's greedy tokens); int8: the same panels with int8 activations as llama.cpp (faster "
+    "prefill, but llama.cpp's rounding error, which changes answers of small models); auto: "
+    "int8's former name; exact: float32 activations on the file's blocks (the reference; "
+    "2-5x slower)."
 )
 HELP = (
     "How the weights are held. gguf: a .gguf model's blocks stay as the file has them (mmap; "
@@ -113,5 +115,5 @@ def set_kernel(model, kernel: str) -> int:
         raise ValueError(f"--quant-kernel {kernel!r}: one of {', '.join(QUANT_KERNELS)}")
     layers = [m.packed for m in model.modules() if hasattr(m, "packed")]
     for packed in layers:
-        packed.kernel = None if kernel == "auto" else kernel
+        packed.kernel = "int8" if kernel == "auto" else kernel
     return len(layers)

@@ -96,7 +96,8 @@ class QuantParallelLMHead(QuantVocabParallelEmbedding):
         return self.table is not None or (self._tied is not None and self._tied.is_loaded)
 
     def prepack(self) -> bool:
-        return False
+        """Repack the weight it multiplies by (the tied embedding's table, or its own)."""
+        return (self._tied.packed if self._tied is not None else self.packed).repack()
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         packed = self._tied.packed if self._tied is not None else self.packed

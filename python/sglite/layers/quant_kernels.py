@@ -7,17 +7,21 @@ row-parallel shard is a window of whole blocks of each row: `narrow(1, ...)` of 
 rows), the bytes of a row must be contiguous. This module checks that layout contract,
 keeps the tensors alive for each call and runs the kernels on torch's OpenMP team.
 
-Kernels (`KERNELS`): `gemv_int8` and `gemm_int8` round the activations to int8 per 32 values
-and use integer dot products (the GEMV streams W for decode, the GEMM unpacks tiles of W for
-prefill); `gemv` and `gemm_f32` are exact (the weights dequantized to f32 in registers or
-tiles). `None` picks `gemv_int8` up to `gemv_max_rows()` rows, else `gemm_int8` (the fastest
-measured; one rounding of the activations at every batch size). Instruction sets: `isas()`,
+Two layouts. The file's (`matmul`, `Prepared`): `gemv_int8` and `gemm_int8` round the
+activations to int8 per 32 values and use integer dot products (the GEMV streams W for
+decode, the GEMM unpacks tiles of W for prefill); `gemv` and `gemm_f32` are exact (the weights
+dequantized to f32 in registers or tiles): the `exact` kernel. `None` picks `gemv_int8` up to
+`gemv_max_rows()` rows, else `gemm_int8`. Panels (`Panels`, `panel_matmul`): the weight
+repacked once into panels of 16 rows (rust/quant/src/panel.rs), one kernel for every batch
+size with the activations rounded per 32 values to `int16` levels (+-16383: the default, within
+~3e-5 of the exact product) or `int8` (llama.cpp's rounding). Instruction sets: `isas()`,
 fastest first; `None` is the fastest.
 """
 
 from __future__ import annotations
 
 import functools
+import mmap
 
 import torch
 
@@ -126,6 +130,79 @@ class Prepared:
         span = (out.data_ptr() + 4 * col, (n - 1) * ld + self.rows if n else 0)
         x_raw = (x.data_ptr(), x.numel())
         self.core.quant_matmul(*self.args, x_raw, n, span, ld, isa, kernel, num_threads)
+
+
+PRECISIONS = ("int16", "int8")
+
+
+class Panels:
+    """A weight repacked into panels of 16 rows (owns its bytes, about the file's size)."""
+
+    def __init__(self, qtype: str, weight: torch.Tensor, in_features: int) -> None:
+        core = _native()
+        if core is None:
+            raise ValueError(unavailable_reason())
+        check_weight(qtype, weight, in_features)
+        self.core, self.qtype, self.in_features = core, qtype, in_features
+        self.rows = weight.shape[0]
+        self.data = torch.empty(
+            core.quant_panel_bytes(qtype, self.rows, in_features), dtype=torch.uint8
+        )
+        core.quant_repack(
+            qtype, _span(weight), self.rows, in_features, _row_stride(weight),
+            (self.data.data_ptr(), self.data.numel()), torch.get_num_threads(),
+        )  # fmt: skip
+
+    def segment(self, col: int) -> tuple:
+        """This weight as a segment of `panel_matmul` writing columns `col ..`."""
+        return (self.qtype, (self.data.data_ptr(), self.data.numel()), self.rows, col)
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 `[rows, in_features]`."""
+        out = torch.empty((self.rows, self.in_features), dtype=torch.float32)
+        self.core.quant_panel_dequantize(
+            self.qtype, (self.data.data_ptr(), self.data.numel()), self.rows, self.in_features,
+            (out.data_ptr(), out.numel()),
+        )  # fmt: skip
+        return out
+
+
+def panel_matmul(
+    segments: list[tuple],
+    x: torch.Tensor,
+    out: torch.Tensor,
+    precision: str,
+    num_threads: int,
+    isa: str | None = None,
+) -> None:
+    """`out[:, col_s : col_s + rows_s] = x W_s^T` for `Panels.segment(col_s)` of one
+    `in_features`. The caller guarantees x float32 `[n, in]` and out float32 `[n, ld]`,
+    contiguous, on the CPU (the native side checks every size again)."""
+    n, ld = out.shape
+    _native().quant_panel_matmul(
+        segments, x.shape[1], (x.data_ptr(), x.numel()), n, (out.data_ptr(), out.numel()), ld,
+        precision, isa, num_threads,
+    )  # fmt: skip
+
+
+def release_mapped_pages(view: torch.Tensor, source: mmap.mmap) -> None:
+    """Drop this process's mapping of the whole pages under `view` (bytes of the read-only
+    file mapping `source`): they leave the RSS, and come back from the page cache if read."""
+    base = _mapping_address(source)
+    start = view.data_ptr() - base
+    end = start + _span(view)[1] * view.element_size()
+    if start < 0 or end > len(source):
+        raise ValueError("the view is not inside the mapping")
+    page = mmap.PAGESIZE
+    first, last = -(-start // page) * page, end // page * page
+    if last > first:
+        source.madvise(mmap.MADV_DONTNEED, first, last - first)
+
+
+def _mapping_address(source: mmap.mmap) -> int:
+    import numpy as np
+
+    return np.frombuffer(source, dtype=np.uint8, count=1).ctypes.data
 
 
 def segments_call(native: list[tuple[int, Prepared | torch.Tensor]]) -> tuple | None:

@@ -4,7 +4,10 @@
 usually a zero-copy view of the mmap'd file. `PackedWeight` is a layer's weight
 `[out_features, in_features]` as such windows placed at row offsets: a merged or QKV layer
 gets one per checkpoint tensor, each in its own format (a Q4_K_M file keeps `attn_v` in Q6_K
-next to Q4_K `attn_q`), and one output tensor takes their columns side by side.
+next to Q4_K `attn_q`), and one output tensor takes their columns side by side. With the
+`int16` (default) or `int8` kernel, `PackedWeight.repack()` (at load, on CPU) turns each
+segment into `PanelRows`, the same blocks in panels of 16 rows (quant_kernels.Panels), and
+gives the file's pages back (they leave the RSS): one copy of every weight.
 
 `Quant*Linear` are the layers of `sglite.layers.linear` with the same constructors, TP shapes
 and placement code (`place()`: column-parallel layers take whole rows, row-parallel ones a
@@ -23,8 +26,9 @@ layer the checkpoint kept float) becomes `DenseRows`.
 
 from __future__ import annotations
 
+import mmap
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -50,6 +54,8 @@ class PackedRows:
     qtype: str
     data: torch.Tensor
     in_features: int
+    # the read-only file mapping `data` views (None: memory of its own)
+    source: mmap.mmap | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.qtype not in QUANT_TYPES:
@@ -72,7 +78,9 @@ class PackedRows:
         contiguous: e.g. `GGUFReader`'s mmap'd `tensor.data`, read-only), for the logical
         `shape` `(out_features, in_features)` (GGUF lists the dims the other way round).
         Zero-copy."""
+        source = None
         if isinstance(raw, np.ndarray):
+            source = _mapping_of(raw)
             with warnings.catch_warnings():  # a read-only mmap: nothing here writes to it
                 warnings.filterwarnings("ignore", message=".*not writable.*")
                 data = torch.from_numpy(raw)
@@ -86,7 +94,7 @@ class PackedRows:
                 f"{qtype} tensor of shape {shape} takes {rows * row_bytes(qtype, cols)} bytes, "
                 f"got {data.numel()}"
             )
-        return cls(qtype, data.reshape(rows, row_bytes(qtype, cols)), cols)
+        return cls(qtype, data.reshape(rows, row_bytes(qtype, cols)), cols, source)
 
     @property
     def num_rows(self) -> int:
@@ -107,7 +115,8 @@ class PackedRows:
                 f"{start}:{start + length} (does the checkpoint fit the model's shapes?)"
             )
         if dim == 0:
-            return PackedRows(self.qtype, self.data.narrow(0, start, length), self.in_features)
+            data = self.data.narrow(0, start, length)
+            return PackedRows(self.qtype, data, self.in_features, self.source)
         if dim != 1:
             raise ValueError(f"PackedRows.narrow: dim must be 0 or 1, got {dim}")
         block, size = QUANT_TYPES[self.qtype][:2]
@@ -118,7 +127,7 @@ class PackedRows:
                 f"be a multiple of {block})"
             )
         data = self.data.narrow(1, start // block * size, length // block * size)
-        return PackedRows(self.qtype, data, length)
+        return PackedRows(self.qtype, data, length, self.source)
 
     def take_rows(self, index: torch.Tensor) -> PackedRows:
         """The rows at `index` (a copy), e.g. to undo llama.cpp's Q/K row permutation."""
@@ -131,6 +140,53 @@ class PackedRows:
     def dequantize(self) -> torch.Tensor:
         """float32 `[rows, in_features]` by torch, on the data's device."""
         return dequantize(self.qtype, self.data, self.in_features)
+
+    def release_pages(self) -> None:
+        """Give back this process's mapping of the file pages under these rows (no-op for
+        rows in memory of their own); reading them again maps them back."""
+        if self.source is not None:
+            quant_kernels.release_mapped_pages(self.data, self.source)
+
+
+def _mapping_of(raw: np.ndarray) -> mmap.mmap | None:
+    """The mmap a numpy array views, if any."""
+    base = raw
+    while base is not None:
+        if isinstance(base, mmap.mmap):
+            return base
+        nxt = getattr(base, "base", None)
+        base = nxt if nxt is not None else getattr(base, "obj", None)
+    return None
+
+
+@dataclass(frozen=True)
+class PanelRows:
+    """Rows repacked into panels for the int16 / int8 kernels (`PackedWeight.repack`)."""
+
+    panels: quant_kernels.Panels
+
+    @property
+    def qtype(self) -> str:
+        return self.panels.qtype
+
+    @property
+    def data(self) -> torch.Tensor:
+        return self.panels.data
+
+    @property
+    def num_rows(self) -> int:
+        return self.panels.rows
+
+    @property
+    def in_features(self) -> int:
+        return self.panels.in_features
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.num_rows, self.in_features)
+
+    def dequantize(self) -> torch.Tensor:
+        return self.panels.dequantize()
 
 
 @dataclass(frozen=True)
@@ -176,7 +232,7 @@ def _split_rows(rows, sizes: list[int]) -> list:
     return [rows.narrow(0, start, size) for start, size in zip(starts, sizes)]
 
 
-Rows = PackedRows | DenseRows
+Rows = PackedRows | DenseRows | PanelRows
 
 
 class PackedWeight:
@@ -185,14 +241,18 @@ class PackedWeight:
     def __init__(self, out_features: int, in_features: int) -> None:
         self.out_features, self.in_features = out_features, in_features
         self.segments: list[tuple[int, Rows]] = []
-        # None: by batch size (quant_kernels); "exact": float32 activations at every size
-        # (gemv up to quant_kernels.EXACT_GEMV_MAX_ROWS rows, gemm_f32 beyond); or one kernel
+        # None or "int16": the panel kernels with int16 activations (the default); "int8":
+        # with int8 ones; "exact": float32 activations on the file's blocks (gemv up to
+        # quant_kernels.EXACT_GEMV_MAX_ROWS rows, gemm_f32 beyond); or one file kernel
         self.kernel: str | None = None
         self._native: list[tuple[int, quant_kernels.Prepared | torch.Tensor]] | None = None
         # (function, segment args) of one native call for all the segments, or None
         self._many: tuple | None = None
         # the segments when some multiply themselves (quant_rows); () when none do
         self._own: list | tuple | None = None
+        # after `repack`: the panel segments of one native call, and float rows (row, data)
+        self._panels: list[tuple] | None = None
+        self._dense: list[tuple[int, torch.Tensor]] = []
 
     def put(self, row: int, rows: Rows, size: int | None, what: str) -> None:
         """Place `rows` at `row`; `size` the rows expected there (None: the whole weight)."""
@@ -207,7 +267,7 @@ class PackedWeight:
                 raise ValueError(f"{what}: rows {row}:{row + want} are already loaded")
         self.segments.append((row, rows))
         self.segments.sort(key=lambda s: s[0])
-        self._native = self._own = self._many = None
+        self._native = self._own = self._many = self._panels = None
 
     @property
     def is_complete(self) -> bool:
@@ -217,6 +277,41 @@ class PackedWeight:
     def nbytes(self) -> int:
         return sum(seg.data.numel() * seg.data.element_size() for _, seg in self.segments)
 
+    @property
+    def precision(self) -> str | None:
+        """The panel kernels' activation rounding, or None for the file's kernels."""
+        if self.kernel is None:
+            return quant_kernels.PRECISIONS[0]
+        return self.kernel if self.kernel in quant_kernels.PRECISIONS else None
+
+    def repack(self) -> bool:
+        """For the panel kernels (CPU): each packed segment becomes `PanelRows` and its file
+        pages are released; one-way (the file kernels need the file's layout). Returns whether
+        it repacked. A no-op for the other kernels, without the native module, on another
+        device, or with segments that multiply themselves (quant_rows)."""
+        if self._panels is not None:
+            return True
+        if self.precision is None or quant_kernels.unavailable_reason() is not None:
+            return False
+        if self._own_segments() is not None or not self.is_complete:
+            return False
+        if any(seg.data.device.type != "cpu" for _, seg in self.segments):
+            return False
+        segments = []
+        for row, seg in self.segments:
+            if isinstance(seg, PackedRows):
+                panels = quant_kernels.Panels(seg.qtype, seg.data, self.in_features)
+                seg.release_pages()
+                seg = PanelRows(panels)
+            segments.append((row, seg))
+        self.segments = segments
+        self._native = self._many = None
+        self._panels = [
+            seg.panels.segment(row) for row, seg in segments if isinstance(seg, PanelRows)
+        ]
+        self._dense = [(row, seg.data) for row, seg in segments if isinstance(seg, DenseRows)]
+        return True
+
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """`x W^T` for x `[..., in_features]`, in x's dtype."""
         if self._native is None and self._own is None and not self.is_complete:
@@ -225,43 +320,69 @@ class PackedWeight:
         # Each torch op costs microseconds and a decode step runs hundreds of these: the
         # common case (2-D contiguous float32) goes straight to the kernels.
         flat = x if x.dim() == 2 else x.reshape(-1, self.in_features)
+        if flat.device.type == "cpu" and (self._panels is not None or self.repack()):
+            y = self._panel_matmul(flat)
+        else:
+            y = self._file_matmul(flat)
+        if y.dtype != x.dtype:
+            y = y.to(x.dtype)
+        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
+
+    def _panel_matmul(self, flat: torch.Tensor) -> torch.Tensor:
+        precision = self.precision
+        if precision is None:
+            raise ValueError(
+                f"kernel {self.kernel!r} needs the file's blocks; this weight was repacked for "
+                "the int16 / int8 kernels (set the kernel before the first matmul)"
+            )
+        if flat.dtype != torch.float32 or not flat.is_contiguous():
+            flat = flat.to(torch.float32).contiguous()
+        y = torch.empty((flat.shape[0], self.out_features), dtype=torch.float32)
+        if self._panels:
+            quant_kernels.panel_matmul(self._panels, flat, y, precision, torch.get_num_threads())
+        for row, data in self._dense:
+            y[:, row : row + data.shape[0]] = flat @ data.T
+        return y
+
+    def _file_matmul(self, flat: torch.Tensor) -> torch.Tensor:
         own = self._own_segments()
-        native = self._prepared() if own is None and flat.device.type == "cpu" else None
+        native = None
+        if own is None and flat.device.type == "cpu" and quant_kernels.unavailable_reason() is None:
+            native = self._prepared()
         if own is not None:
             parts = [
                 seg.matmul(flat) if hasattr(seg, "matmul") else flat.float() @ seg.dequantize().T
                 for seg in own
             ]
-            y = (
+            return (
                 parts[0]
                 if len(parts) == 1
                 else torch.cat([p.to(parts[0].dtype) for p in parts], -1)
             )
-        elif native is not None:
-            if flat.dtype != torch.float32 or not flat.is_contiguous():
-                flat = flat.to(torch.float32).contiguous()
-            y = torch.empty((flat.shape[0], self.out_features), dtype=torch.float32)
-            threads, kernel = torch.get_num_threads(), self.kernel
-            if kernel == "exact":
-                exact_gemv = flat.shape[0] <= quant_kernels.EXACT_GEMV_MAX_ROWS
-                kernel = "gemv" if exact_gemv else "gemm_f32"
-            if self._many is not None:  # one native call for all the segments
-                x_raw, y_raw = (flat.data_ptr(), flat.numel()), (y.data_ptr(), y.numel())
-                n, width = y.shape
-                self._many[0](self._many[1], self.in_features, x_raw, n, y_raw, width, None,
-                              kernel, threads)  # fmt: skip
-            else:
-                for row, prepared in native:
-                    if isinstance(prepared, torch.Tensor):  # DenseRows
-                        y[:, row : row + prepared.shape[0]] = flat @ prepared.T
-                    else:
-                        prepared.run(flat, y, row, kernel, threads)
-        else:
+        if native is None:
             flat = flat.to(torch.float32)
-            y = torch.cat([flat @ seg.dequantize().T for _, seg in self.segments], dim=-1)
-        if y.dtype != x.dtype:
-            y = y.to(x.dtype)
-        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
+            return torch.cat([flat @ seg.dequantize().T for _, seg in self.segments], dim=-1)
+        if flat.dtype != torch.float32 or not flat.is_contiguous():
+            flat = flat.to(torch.float32).contiguous()
+        y = torch.empty((flat.shape[0], self.out_features), dtype=torch.float32)
+        threads, kernel = torch.get_num_threads(), self.kernel
+        if kernel == "exact":
+            exact_gemv = flat.shape[0] <= quant_kernels.EXACT_GEMV_MAX_ROWS
+            kernel = "gemv" if exact_gemv else "gemm_f32"
+        elif kernel in quant_kernels.PRECISIONS:  # repack() declined (e.g. quant_rows)
+            kernel = None
+        if self._many is not None:  # one native call for all the segments
+            x_raw, y_raw = (flat.data_ptr(), flat.numel()), (y.data_ptr(), y.numel())
+            n, width = y.shape
+            self._many[0](self._many[1], self.in_features, x_raw, n, y_raw, width, None,
+                          kernel, threads)  # fmt: skip
+        else:
+            for row, prepared in native:
+                if isinstance(prepared, torch.Tensor):  # DenseRows
+                    y[:, row : row + prepared.shape[0]] = flat @ prepared.T
+                else:
+                    prepared.run(flat, y, row, kernel, threads)
+        return y
 
     def _own_segments(self) -> list | None:
         """The segments in row order, consecutive ones of a kind that can `concat` merged
@@ -281,8 +402,13 @@ class PackedWeight:
         return self._own or None
 
     def _prepared(self) -> list[tuple[int, quant_kernels.Prepared | torch.Tensor]] | None:
-        """The segments checked for the native kernels (once), or None without them."""
-        if self._native is None and quant_kernels.unavailable_reason() is None:
+        """The segments checked for the file kernels (once), or None on another device."""
+        if any(isinstance(seg, PanelRows) for _, seg in self.segments):
+            raise ValueError(
+                f"kernel {self.kernel!r} needs the file's blocks; this weight was repacked for "
+                "the int16 / int8 kernels (set the kernel before the first matmul)"
+            )
+        if self._native is None:
             if all(seg.data.device.type == "cpu" for _, seg in self.segments):
                 self._native = [
                     (row, seg.data)
@@ -328,7 +454,8 @@ class _Packed:
             self.packed.put(where.row, where.shard, where.size, where.what)
 
     def prepack(self) -> bool:
-        return False
+        """Repack for the panel kernels (see `PackedWeight.repack`); whether it did."""
+        return self.packed.repack()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.packed.matmul(x)

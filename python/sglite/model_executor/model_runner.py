@@ -132,7 +132,7 @@ class ModelRunner:
         dist_init_addr: str | None = None,
         dist_timeout: float | None = None,
         quantization: str | None = None,
-        quant_kernel: str = "exact",
+        quant_kernel: str = "int16",
     ) -> None:
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")

@@ -119,7 +119,7 @@ def load_model(
     tp_group: TPGroup = NULL_TP_GROUP,
     ep_size: int = 1,
     quantization: str | None = None,
-    quant_kernel: str = "exact",
+    quant_kernel: str = "int16",
 ) -> nn.Module:
     """Instantiate the registered class for `config.architecture` and load its weights
     (this rank's shard of them when `tp_group` has more than one rank; with `ep_size` > 1,

@@ -8,7 +8,7 @@
 
 use pyo3::prelude::*;
 use pyo3::types::PyTuple;
-use quant::{Isa, Kernel, QType, QuantError, Run, Weights};
+use quant::{Isa, Kernel, Panels, Precision, QType, QuantError, Run, Weights};
 
 use crate::attn::Raw;
 use crate::convert::value_error;
@@ -28,7 +28,7 @@ fn isa(name: Option<&str>) -> PyResult<Isa> {
     match name {
         None => Ok(Isa::best()),
         Some(name) => Isa::from_name(name)
-            .ok_or_else(|| value_error(format!("isa {name:?}: scalar, avx2 or avx512"))),
+            .ok_or_else(|| value_error(format!("isa {name:?}: scalar, avx2, avx2vnni or avx512"))),
     }
 }
 
@@ -158,6 +158,101 @@ pub fn quant_dequantize(
     }))
 }
 
+/// Bytes of `rows` x `cols` weights of `qtype` in panels (`quant::panel`).
+#[pyfunction]
+pub fn quant_panel_bytes(qtype_name: &str, rows: usize, cols: usize) -> PyResult<usize> {
+    let qtype = qtype(qtype_name)?;
+    if cols == 0 || !cols.is_multiple_of(qtype.block_len()) {
+        return Err(value_error(format!(
+            "in_features={cols} is not a positive multiple of {qtype_name}'s block of {}",
+            qtype.block_len()
+        )));
+    }
+    Ok(quant::panel_bytes(qtype, rows, cols))
+}
+
+/// `out` (uint8, `quant_panel_bytes` long) = W (as in `quant_matmul`) repacked into panels.
+#[pyfunction]
+#[pyo3(signature = (qtype_name, w, rows, cols, row_stride, out, num_threads))]
+#[allow(clippy::too_many_arguments)]
+pub fn quant_repack(
+    py: Python<'_>,
+    qtype_name: &str,
+    w: (usize, usize),
+    rows: usize,
+    cols: usize,
+    row_stride: usize,
+    out: (usize, usize),
+    num_threads: usize,
+) -> PyResult<()> {
+    let qtype = qtype(qtype_name)?;
+    let (w, out) = (Raw::new("w", w, 1)?, Raw::new("out", out, 1)?);
+    // SAFETY: the launcher passes live tensors of these sizes; out overlaps no weight.
+    to_py(py.allow_threads(|| unsafe {
+        let w = Weights::new(qtype, w.slice::<u8>(), rows, cols, row_stride)?;
+        quant::repack(&w, out.slice_mut::<u8>(), num_threads)
+    }))
+}
+
+/// `out [rows, cols]` (f32) = the weights in panels at `w`.
+#[pyfunction]
+#[pyo3(signature = (qtype_name, w, rows, cols, out))]
+pub fn quant_panel_dequantize(
+    py: Python<'_>,
+    qtype_name: &str,
+    w: (usize, usize),
+    rows: usize,
+    cols: usize,
+    out: (usize, usize),
+) -> PyResult<()> {
+    let qtype = qtype(qtype_name)?;
+    let (w, out) = (Raw::new("w", w, 1)?, Raw::new("out", out, 4)?);
+    // SAFETY: as in `quant_matmul`.
+    to_py(py.allow_threads(|| unsafe {
+        let w = Panels::new(qtype, w.slice::<u8>(), rows, cols)?;
+        quant::panel::dequantize(&w, out.slice_mut::<f32>())
+    }))
+}
+
+/// One weight of a `quant_panel_matmul` call: (qtype name, panels, rows, first column).
+type PanelSegment = (String, (usize, usize), usize, usize);
+
+/// `y[:, col_s .. col_s + rows_s] = x W_s^T` for each segment of panels `(qtype_name, w,
+/// rows, col)` of one `cols`, x rounded once to `precision` ("int8" or "int16").
+#[pyfunction]
+#[pyo3(signature = (segments, cols, x, n, y, ld_y, precision, isa_name, num_threads))]
+#[allow(clippy::too_many_arguments)]
+pub fn quant_panel_matmul(
+    py: Python<'_>,
+    segments: Vec<PanelSegment>,
+    cols: usize,
+    x: (usize, usize),
+    n: usize,
+    y: (usize, usize),
+    ld_y: usize,
+    precision: &str,
+    isa_name: Option<&str>,
+    num_threads: usize,
+) -> PyResult<()> {
+    let isa = isa(isa_name)?;
+    let precision = Precision::from_name(precision)
+        .ok_or_else(|| value_error(format!("precision {precision:?}: int8 or int16")))?;
+    let mut raws = Vec::with_capacity(segments.len());
+    for (name, w, rows, col) in &segments {
+        raws.push((qtype(name)?, Raw::new("w", *w, 1)?, *rows, *col));
+    }
+    let (x, y) = (Raw::new("x", x, 4)?, Raw::new("y", y, 4)?);
+    // SAFETY: as in `quant_matmul`; y overlaps no weight.
+    to_py(py.allow_threads(|| unsafe {
+        let mut ws = Vec::with_capacity(raws.len());
+        for (qtype, w, rows, col) in &raws {
+            ws.push((Panels::new(*qtype, w.slice::<u8>(), *rows, cols)?, *col));
+        }
+        let (x, y) = (x.slice::<f32>(), y.slice_mut::<f32>());
+        quant::panel_matmul_segments(&ws, x, n, y, ld_y, precision, isa, num_threads)
+    }))
+}
+
 /// The instruction sets this CPU runs the kernels with, fastest first.
 #[pyfunction]
 pub fn quant_isas() -> Vec<&'static str> {
@@ -172,6 +267,10 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(quant_matmul_many, m)?)?;
     m.add_function(wrap_pyfunction!(quant_dequantize, m)?)?;
     m.add_function(wrap_pyfunction!(quant_isas, m)?)?;
+    m.add_function(wrap_pyfunction!(quant_panel_bytes, m)?)?;
+    m.add_function(wrap_pyfunction!(quant_repack, m)?)?;
+    m.add_function(wrap_pyfunction!(quant_panel_matmul, m)?)?;
+    m.add_function(wrap_pyfunction!(quant_panel_dequantize, m)?)?;
     let types = pyo3::types::PyDict::new(m.py());
     for t in QType::ALL {
         let info = (t.block_len(), t.block_bytes(), t.ggml_type());

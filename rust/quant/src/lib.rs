@@ -26,6 +26,9 @@
 
 mod act;
 pub mod format;
+pub mod panel;
+mod panel_act;
+mod panel_run;
 mod run;
 mod scalar;
 #[cfg(test)]
@@ -36,6 +39,9 @@ mod x86;
 use std::fmt;
 
 pub use format::{decode_block, f16_to_f32, Group, QType};
+pub use panel::{panel_bytes, repack, Panels, PANEL_ROWS};
+pub use panel_act::Precision;
+pub use panel_run::panel_matmul_segments;
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct QuantError(pub String);
@@ -52,21 +58,24 @@ fn err<T>(msg: String) -> Result<T, QuantError> {
     Err(QuantError(msg))
 }
 
-/// An instruction set the kernels are compiled for.
+/// An instruction set the kernels are compiled for. `Avx2Vnni` is AVX2 with AVX-VNNI (the
+/// 256-bit `vpdpbusd`): the panel kernels use it, the others run their AVX2 code there.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Isa {
     Scalar,
     Avx2,
+    Avx2Vnni,
     Avx512,
 }
 
 impl Isa {
-    pub const ALL: [Isa; 3] = [Isa::Scalar, Isa::Avx2, Isa::Avx512];
+    pub const ALL: [Isa; 4] = [Isa::Scalar, Isa::Avx2, Isa::Avx2Vnni, Isa::Avx512];
 
     pub fn name(self) -> &'static str {
         match self {
             Isa::Scalar => "scalar",
             Isa::Avx2 => "avx2",
+            Isa::Avx2Vnni => "avx2vnni",
             Isa::Avx512 => "avx512",
         }
     }
@@ -82,6 +91,8 @@ impl Isa {
             #[cfg(target_arch = "x86_64")]
             Isa::Avx2 => x86::has_avx2(),
             #[cfg(target_arch = "x86_64")]
+            Isa::Avx2Vnni => x86::has_avx2_vnni(),
+            #[cfg(target_arch = "x86_64")]
             Isa::Avx512 => x86::has_avx512(),
             #[cfg(not(target_arch = "x86_64"))]
             _ => false,
@@ -90,7 +101,7 @@ impl Isa {
 
     /// The fastest instruction set this CPU has.
     pub fn best() -> Isa {
-        [Isa::Avx512, Isa::Avx2]
+        [Isa::Avx512, Isa::Avx2Vnni, Isa::Avx2]
             .into_iter()
             .find(|i| i.is_available())
             .unwrap_or(Isa::Scalar)
@@ -240,7 +251,7 @@ pub(crate) struct Problem<'a> {
     pub ld_y: usize,
 }
 
-fn check_isa(isa: Isa) -> Result<(), QuantError> {
+pub(crate) fn check_isa(isa: Isa) -> Result<(), QuantError> {
     if isa.is_available() {
         Ok(())
     } else {
@@ -260,24 +271,24 @@ pub fn matmul(
     matmul_segments(&[(*w, 0)], x, n, y, ld_y, run)
 }
 
-/// Checks x `[n, w.cols]` and that y (`y_len` values, rows `ld_y` apart) holds columns
-/// `col..col + w.rows` of `n` rows.
-fn check_xy(
-    w: &Weights<'_>,
+/// Checks x `[n, cols]` and that y (`y_len` values, rows `ld_y` apart) holds columns
+/// `col..col + rows` of `n` rows.
+pub(crate) fn check_xy(
+    rows: usize,
+    cols: usize,
     col: usize,
     x: &[f32],
     n: usize,
     y_len: usize,
     ld_y: usize,
 ) -> Result<(), QuantError> {
-    if n.checked_mul(w.cols) != Some(x.len()) {
+    if n.checked_mul(cols) != Some(x.len()) {
         return err(format!(
-            "x has {} values, not n * in_features = {n} * {}",
+            "x has {} values, not n * in_features = {n} * {cols}",
             x.len(),
-            w.cols
         ));
     }
-    let width = col.checked_add(w.rows);
+    let width = col.checked_add(rows);
     let y_need = match n {
         0 => Some(0),
         _ => (n - 1)
@@ -287,7 +298,7 @@ fn check_xy(
     if width.is_none_or(|width| ld_y < width) || y_need.is_none_or(|need| y_len < need) {
         return err(format!(
             "y ({y_len} values, rows {ld_y} apart) cannot hold {n} rows of outputs {col}..{}",
-            col.saturating_add(w.rows)
+            col.saturating_add(rows)
         ));
     }
     Ok(())
@@ -316,7 +327,7 @@ pub fn matmul_segments(
                 segments[0].0.cols, w.cols
             ));
         }
-        check_xy(w, *col, x, n, y.len(), ld_y)?;
+        check_xy(w.rows, w.cols, *col, x, n, y.len(), ld_y)?;
         cols.push((*col, col + w.rows));
     }
     cols.sort_unstable();
@@ -375,7 +386,9 @@ pub fn dequantize(
             let dst = unsafe { std::slice::from_raw_parts_mut(out.0.add(r * w.cols), w.cols) };
             match isa {
                 #[cfg(target_arch = "x86_64")]
-                Isa::Avx512 | Isa::Avx2 => unsafe { x86::dequantize_row(w, r, dst) },
+                Isa::Avx512 | Isa::Avx2 | Isa::Avx2Vnni => unsafe {
+                    x86::dequantize_row(w, r, dst)
+                },
                 _ => scalar::dequantize_row(w, r, dst),
             }
         }

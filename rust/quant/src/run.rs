@@ -42,9 +42,11 @@ pub(crate) fn gemv_many(problems: &[Problem<'_>], kernel: Kernel, isa: Isa, thre
         unsafe {
             match (&acts, isa) {
                 #[cfg(target_arch = "x86_64")]
-                (None, Isa::Avx512 | Isa::Avx2) => x86::gemv_f32(p, rows, isa),
+                (None, Isa::Avx512 | Isa::Avx2 | Isa::Avx2Vnni) => x86::gemv_f32(p, rows, isa),
                 #[cfg(target_arch = "x86_64")]
-                (Some(a), Isa::Avx512 | Isa::Avx2) => x86::gemv_int8(p, a, rows, isa),
+                (Some(a), Isa::Avx512 | Isa::Avx2 | Isa::Avx2Vnni) => {
+                    x86::gemv_int8(p, a, rows, isa)
+                }
                 (None, _) => scalar::gemv_f32(p, rows),
                 (Some(a), _) => scalar::gemv_int8(p, a, rows),
             }
@@ -61,9 +63,11 @@ pub(crate) fn gemm(p: &Problem<'_>, kernel: Kernel, isa: Isa, threads: usize) {
         unsafe {
             match (&acts, isa) {
                 #[cfg(target_arch = "x86_64")]
-                (None, Isa::Avx512 | Isa::Avx2) => x86::gemm_f32(p, rows, isa),
+                (None, Isa::Avx512 | Isa::Avx2 | Isa::Avx2Vnni) => x86::gemm_f32(p, rows, isa),
                 #[cfg(target_arch = "x86_64")]
-                (Some(a), Isa::Avx512 | Isa::Avx2) => x86::gemm_int8(p, a, rows, isa),
+                (Some(a), Isa::Avx512 | Isa::Avx2 | Isa::Avx2Vnni) => {
+                    x86::gemm_int8(p, a, rows, isa)
+                }
                 (None, _) => scalar::gemv_f32(p, rows),
                 (Some(a), _) => scalar::gemv_int8(p, a, rows),
             }

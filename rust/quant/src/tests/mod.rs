@@ -12,6 +12,7 @@
 
 mod format;
 mod kernels;
+mod panel;
 
 use crate::act::Acts;
 use crate::format::{decode_block, Group, QType};

@@ -7,6 +7,7 @@ mod gemm;
 mod gemv;
 mod gemv_k;
 mod kfmt;
+mod panel;
 mod simd;
 
 use std::ops::Range;
@@ -16,6 +17,8 @@ use kfmt::{with_kfmt, KFmt};
 use simd::{Avx2, Avx512, F32Lanes, IntLanes, Madd, Vnni};
 
 use crate::act::Acts;
+use crate::panel::Panels;
+use crate::panel_act::{PanelActs, Precision};
 use crate::run::TILE_ROWS;
 use crate::{Isa, Problem, Weights};
 
@@ -23,6 +26,10 @@ pub(crate) fn has_avx2() -> bool {
     std::arch::is_x86_feature_detected!("avx2")
         && std::arch::is_x86_feature_detected!("fma")
         && std::arch::is_x86_feature_detected!("f16c")
+}
+
+pub(crate) fn has_avx2_vnni() -> bool {
+    has_avx2() && std::arch::is_x86_feature_detected!("avxvnni")
 }
 
 pub(crate) fn has_avx512() -> bool {
@@ -238,4 +245,85 @@ pub(crate) unsafe fn gemm_f32(p: &Problem<'_>, rows: Range<usize>, isa: Isa) {
 /// SAFETY: AVX2, FMA and F16C available; `out` holds `w.cols` values.
 pub(crate) unsafe fn dequantize_row(w: &Weights<'_>, r: usize, out: &mut [f32]) {
     with_fmt!(w.qtype, F => decode::dequantize_row::<F>(w, r, out))
+}
+
+/// Rows of x per pass of the panel kernels.
+pub(crate) const PANEL_MAX_N: usize = 4;
+
+/// Calls `$body` with `$N` = `$n` in 1..=4 (`$n` is at most 4).
+macro_rules! with_n4 {
+    ($n:expr, $N:ident => $body:expr) => {
+        match $n {
+            1 => {
+                const $N: usize = 1;
+                $body
+            }
+            2 => {
+                const $N: usize = 2;
+                $body
+            }
+            3 => {
+                const $N: usize = 3;
+                $body
+            }
+            _ => {
+                const $N: usize = 4;
+                $body
+            }
+        }
+    };
+}
+
+macro_rules! panel_isa {
+    ($name:ident, $lanes:ty, $features:literal) => {
+        #[target_feature(enable = $features)]
+        unsafe fn $name<F: panel::PFmt, const N: usize, const WIDE: bool>(
+            w: &Panels<'_>,
+            a: &PanelActs,
+            panels: Range<usize>,
+            x0: usize,
+            y: *mut f32,
+            ld_y: usize,
+        ) {
+            for p in panels {
+                panel::panel_rows::<$lanes, F, N, WIDE>(w, a, p, x0, y, ld_y)
+            }
+        }
+    };
+}
+panel_isa!(
+    panels_512,
+    panel::Zmm,
+    "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c"
+);
+panel_isa!(panels_vnni256, panel::Ymm<true>, "avx2,fma,f16c,avxvnni");
+panel_isa!(panels_256, panel::Ymm<false>, "avx2,fma,f16c");
+
+/// `y[r, 16 p ..] = x[r] . W[panel p]^T` for every row r of x (`n`) and panel p in `panels`.
+/// SAFETY: `isa` (not Scalar) available; `w`, `a`, y checked by the caller; no other thread
+/// writes these panels' columns of y.
+pub(crate) unsafe fn panel_task(
+    w: &Panels<'_>,
+    a: &PanelActs,
+    panels: Range<usize>,
+    n: usize,
+    y: *mut f32,
+    ld_y: usize,
+    isa: Isa,
+) {
+    let wide = a.precision == Precision::Int16;
+    let mut x0 = 0;
+    while x0 < n {
+        let rows = (n - x0).min(PANEL_MAX_N);
+        let p = panels.clone();
+        panel::with_pfmt!(w.qtype, F => with_n4!(rows, N => match (isa, wide) {
+            (Isa::Avx512, true) => panels_512::<F, N, true>(w, a, p, x0, y, ld_y),
+            (Isa::Avx512, false) => panels_512::<F, N, false>(w, a, p, x0, y, ld_y),
+            (Isa::Avx2Vnni, true) => panels_vnni256::<F, N, true>(w, a, p, x0, y, ld_y),
+            (Isa::Avx2Vnni, false) => panels_vnni256::<F, N, false>(w, a, p, x0, y, ld_y),
+            (_, true) => panels_256::<F, N, true>(w, a, p, x0, y, ld_y),
+            (_, false) => panels_256::<F, N, false>(w, a, p, x0, y, ld_y),
+        }));
+        x0 += rows;
+    }
 }
