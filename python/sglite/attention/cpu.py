@@ -75,6 +75,11 @@ class CpuAttnBackend(TorchNativeAttnBackend):
         )
         return _PoolRows(plan, tokens)
 
+    def decode_plan(self, layer: RadixAttention):
+        """The `sglite._core.DecodePlan` this decode batch's `layer` attends with (one per
+        distinct window, planned once per forward): for the native decode step."""
+        return self._meta(layer).rows.plan.plan
+
     def _decode_rows(
         self, q: torch.Tensor, layer: RadixAttention, batch: ForwardBatch, rows: _PoolRows
     ) -> torch.Tensor:

@@ -76,7 +76,11 @@ class RMSNorm(_ResidualNorm):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """As the base class; on the CPU the sum may be written into `residual` itself
-        (callers pass a temporary)."""
+        (callers pass a temporary). A strided x (q/k norms over a view of the QKV output)
+        is copied first, so that the native kernel, the one the native decode step runs,
+        normalises it."""
+        if residual is None and x.device.type == "cpu" and not x.is_contiguous():
+            x = x.contiguous()
         out = cpu_ops.rms_norm(x, self.weight, self.eps, residual)
         if out is not None:
             return out if residual is None else (out, residual)

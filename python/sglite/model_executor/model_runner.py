@@ -9,7 +9,8 @@ to `max_total_tokens`, or on CUDA `mem_fraction_static` of the GPU memory, creat
 core's `PageAllocator` over those slots, the `ReqToTokenPool`, and the attention backend; on
 CUDA, last, capture the decode CUDA graphs (`cuda_graph_runner.py`; `disable_cuda_graph`,
 `cuda_graph_max_bs`, default min(160, max_running_requests)). On CPU there are no graphs
-(`NoCudaGraphs`).
+(`NoCudaGraphs`); decode batches of the dense skeleton over panel weights run as one native
+call instead (`native_step.py`; the start-up log says whether, or why not).
 
 Per step the caller (the scheduler, or a test) allocates slots with `runner.allocator`,
 writes the request rows of `runner.req_to_token_pool`, builds a `ForwardBatch`
@@ -47,6 +48,7 @@ from sglite.distributed import (
 )
 from sglite.mem_cache.kv_dtype import resolve_kv_cache_dtype
 from sglite.mem_cache.memory_pool import ReqToTokenPool, kv_slots_for_budget
+from sglite.model_executor import native_step
 from sglite.model_executor.cuda_graph_runner import (
     CudaGraphRunner,
     NoCudaGraphs,
@@ -182,6 +184,7 @@ class ModelRunner:
         self.attn_backend = create_attention_backend(self.attention_backend_name, self)
         self.sampler = Sampler()
         self.graph_runner = self._init_cuda_graphs(disable_cuda_graph, cuda_graph_max_bs)
+        self.native_step = native_step.build(self) if self.device.type == "cpu" else None
 
     # ---------------------------------------------------------------- start-up
     def _resolve_config(self, context_length: int | None, trust_remote_code: bool) -> ModelConfig:
@@ -289,6 +292,8 @@ class ModelRunner:
             if self.graph_runner.can_run(batch):
                 return self.graph_runner.replay(batch)
             self.attn_backend.init_forward_metadata(batch)
+            if self.native_step is not None and self.native_step.can_run(batch):
+                return self.native_step.forward(batch)
             return self.model(batch.input_ids, batch.positions, batch)
 
     def sample(self, logits: torch.Tensor, sampling_info: SamplingBatchInfo) -> torch.Tensor:

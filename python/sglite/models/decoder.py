@@ -310,10 +310,12 @@ class DecoderModel(nn.Module):
         """The first rotary table (the only one unless the layer types rotate differently)."""
         return self.rotary_embs[0]
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch):
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
-        if self.embed_scale != 1.0:
-            x = x * self.embed_scale
+        return x * self.embed_scale if self.embed_scale != 1.0 else x
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch):
+        x = self.embed(input_ids)
         ropes = [emb.lookup(positions, batch) for emb in self.rotary_embs]
         residual = None
         for layer, j in zip(self.layers, self.rope_idx):

@@ -53,6 +53,12 @@ pub struct PyDecodePlan {
     inner: cpu_attn::DecodePlan,
 }
 
+impl PyDecodePlan {
+    pub(crate) fn inner(&self) -> &cpu_attn::DecodePlan {
+        &self.inner
+    }
+}
+
 #[pymethods]
 impl PyDecodePlan {
     /// `table` int32 `[rows, table_width]`, `rows` and `seq_lens` int64 `[n]`, each as

@@ -13,6 +13,7 @@ mod budget;
 mod convert;
 mod ops;
 mod quant;
+mod step;
 mod tree;
 
 use pyo3::prelude::*;
@@ -33,6 +34,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<budget::PyPrefillBudget>()?;
     m.add_class::<budget::PyAddReqResult>()?;
     m.add_class::<attn::PyDecodePlan>()?;
+    m.add_class::<step::PyDecodeStep>()?;
     m.add_function(wrap_pyfunction!(attn::set_openmp_parallel, m)?)?;
     m.add_function(wrap_pyfunction!(ops::rms_norm, m)?)?;
     m.add_function(wrap_pyfunction!(ops::gated_mul, m)?)?;

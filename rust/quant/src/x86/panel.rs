@@ -467,6 +467,10 @@ unsafe fn halves<L: Lanes, F: PFmt, const WIDE: bool>(
     [L::combine(hi[0], lo[0]), L::combine(hi[1], lo[1])]
 }
 
+/// How far ahead of the block being read the kernel prefetches (past a panel's end: the next
+/// panel's start, which the same thread reads next in its run; at worst a line nobody needs).
+const PREFETCH_AHEAD: usize = 2048;
+
 /// `y[x0 + r, 16 p ..] = x[x0 + r] . W[panel p]^T` for r < N.
 /// SAFETY: the lanes' features available; `w`, `a` and y checked by the caller (`a` rounds
 /// rows `x0 .. x0 + N` of x, y holds their panel's columns); no other thread writes them.
@@ -481,8 +485,13 @@ pub(crate) unsafe fn panel_rows<L: Lanes, F: PFmt, const N: usize, const WIDE: b
 ) {
     let groups = w.cols / 32;
     let mut acc = [L::fzero(); N];
+    let size = F::QTYPE.panel_block_bytes();
     for b in 0..w.num_blocks() {
         let blk = w.block(p, b).as_ptr();
+        let ahead = blk.wrapping_add(PREFETCH_AHEAD);
+        for line in (0..size).step_by(64) {
+            _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(line) as *const i8);
+        }
         let tail = blk.add(F::G * F::GB);
         // per block: Q4_K / Q5_K's d and dmin, Q6_K's d; else the group's scales
         let (d, dmin) = match F::QTYPE {
