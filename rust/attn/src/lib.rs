@@ -26,6 +26,7 @@
 //! and a KV head) are cut into ranges of about equal key count, one per thread (`pool`). The loops are compiled for AVX-512, for AVX2+FMA and for the baseline, and
 //! the best the CPU has is chosen at run time.
 
+pub mod contention;
 mod elem;
 mod exp;
 pub mod fp8;

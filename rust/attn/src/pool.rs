@@ -12,6 +12,9 @@ use std::ffi::{c_uint, c_void};
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Mutex;
+use std::thread;
+
+use crate::contention;
 
 /// libgomp's `void GOMP_parallel(void (*fn)(void *), void *data, unsigned num_threads,
 /// unsigned flags)`: runs `fn(data)` on every thread of a team of `num_threads` (the caller
@@ -33,7 +36,7 @@ pub unsafe fn set_openmp_parallel(addr: usize) {
 /// included), which take the next index as they finish the last. Returns when all are done;
 /// a panic in `work` is raised again here once every thread has stopped.
 pub fn for_each(n: usize, threads: usize, work: &(dyn Fn(usize) + Sync)) {
-    let threads = threads.min(n);
+    let threads = contention::allowed(threads).min(n);
     if threads <= 1 {
         (0..n).for_each(work);
         return;
@@ -55,7 +58,7 @@ pub fn for_each(n: usize, threads: usize, work: &(dyn Fn(usize) + Sync)) {
 /// read their weights at 44-52 GB/s this way, 39-43 taking the next index; the same
 /// machine, runs alternated), and a thread that falls behind is still helped at the end.
 pub fn for_each_streamed(n: usize, threads: usize, work: &(dyn Fn(usize) + Sync)) {
-    let threads = threads.min(n);
+    let threads = contention::allowed(threads).min(n);
     if threads <= 1 || n > u32::MAX as usize {
         return for_each(n, threads, work);
     }
@@ -100,6 +103,8 @@ pub fn for_each_streamed(n: usize, threads: usize, work: &(dyn Fn(usize) + Sync)
 fn on_team(threads: usize, drain: &(dyn Fn(usize) + Sync)) {
     let joined = AtomicUsize::new(0);
     let panic = Mutex::new(None);
+    let (caller, start) = (thread::current().id(), contention::now_ns());
+    let caller_done = AtomicU64::new(0);
     let run = || {
         let me = joined.fetch_add(1, Ordering::Relaxed) % threads;
         if let Err(payload) = catch_unwind(AssertUnwindSafe(|| drain(me))) {
@@ -107,6 +112,9 @@ fn on_team(threads: usize, drain: &(dyn Fn(usize) + Sync)) {
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
                 .get_or_insert(payload);
+        }
+        if thread::current().id() == caller {
+            caller_done.store(contention::now_ns(), Ordering::Relaxed);
         }
     };
     let addr = GOMP_PARALLEL.load(Ordering::Acquire);
@@ -136,6 +144,9 @@ fn on_team(threads: usize, drain: &(dyn Fn(usize) + Sync)) {
             );
         }
     }
+    let end = contention::now_ns();
+    let done = caller_done.load(Ordering::Relaxed).clamp(start, end);
+    contention::record(end - start, end - done);
     if let Some(payload) = panic.into_inner().unwrap_or_else(|e| e.into_inner()) {
         resume_unwind(payload);
     }

@@ -47,6 +47,13 @@ impl Raw {
     }
 }
 
+/// How many times the CPU kernels' thread team was found waiting on itself (shared cores)
+/// and ran on the calling thread alone for a second (`cpu_attn::contention`).
+#[pyfunction]
+pub fn team_solo_spells() -> u64 {
+    cpu_attn::contention::solo_spells()
+}
+
 /// Decode attention of one batch: see `sglite.attention.cpu_kernel`.
 #[pyclass(name = "DecodePlan", module = "sglite._core", frozen)]
 pub struct PyDecodePlan {

@@ -36,6 +36,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<attn::PyDecodePlan>()?;
     m.add_class::<step::PyDecodeStep>()?;
     m.add_function(wrap_pyfunction!(attn::set_openmp_parallel, m)?)?;
+    m.add_function(wrap_pyfunction!(attn::team_solo_spells, m)?)?;
     m.add_function(wrap_pyfunction!(ops::rms_norm, m)?)?;
     m.add_function(wrap_pyfunction!(ops::gated_mul, m)?)?;
     m.add_function(wrap_pyfunction!(ops::rope, m)?)?;
