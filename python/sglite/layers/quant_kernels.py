@@ -145,9 +145,7 @@ class Panels:
         check_weight(qtype, weight, in_features)
         self.core, self.qtype, self.in_features = core, qtype, in_features
         self.rows = weight.shape[0]
-        self.data = torch.empty(
-            core.quant_panel_bytes(qtype, self.rows, in_features), dtype=torch.uint8
-        )
+        self.data = huge_page_empty(core.quant_panel_bytes(qtype, self.rows, in_features))
         core.quant_repack(
             qtype, _span(weight), self.rows, in_features, _row_stride(weight),
             (self.data.data_ptr(), self.data.numel()), torch.get_num_threads(),
@@ -183,6 +181,18 @@ def panel_matmul(
         segments, x.shape[1], (x.data_ptr(), x.numel()), n, (out.data_ptr(), out.numel()), ld,
         precision, isa, num_threads,
     )  # fmt: skip
+
+
+def huge_page_empty(nbytes: int) -> torch.Tensor:
+    """A uint8 tensor of `nbytes` in an anonymous mapping of its own that the kernel may back
+    with 2 MB pages (Linux's transparent huge pages, asked for by madvise): a 7B's panels
+    take 512x fewer page faults to fill, and its decode step streams them with 512x fewer
+    TLB entries. Plain memory where the platform has no such advice."""
+    if nbytes < 2 << 20 or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return torch.empty(nbytes, dtype=torch.uint8)
+    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    region.madvise(mmap.MADV_HUGEPAGE)
+    return torch.frombuffer(region, dtype=torch.uint8)  # holds `region` alive
 
 
 def release_mapped_pages(view: torch.Tensor, source: mmap.mmap) -> None:

@@ -30,7 +30,7 @@
 //!
 //! Rows past the weight's last (the last panel's padding) are zeros: scale 0, output unused.
 
-use crate::format::{decode_block, k4_scale_min, Group, QType};
+use crate::format::{k4_scale_min, Group, QType};
 use crate::{err, QuantError, Weights};
 
 /// Rows per panel: the 16 f32 (dword) lanes of an AVX-512 vector, or two AVX2 ones.
@@ -172,19 +172,11 @@ pub fn repack(w: &Weights<'_>, out: &mut [u8], threads: usize) -> Result<(), Qua
 fn repack_panel(w: &Weights<'_>, p: usize, dst: &mut [u8]) {
     let (qtype, size) = (w.qtype, w.qtype.panel_block_bytes());
     dst.fill(0);
-    let mut groups = [Group::default(); 8];
     for r in 0..PANEL_ROWS.min(w.rows - p * PANEL_ROWS) {
         let row = w.row(p * PANEL_ROWS + r);
         for (b, blk) in dst.chunks_exact_mut(size).enumerate() {
             let src = &row[b * qtype.block_bytes()..][..qtype.block_bytes()];
-            decode_block(qtype, src, &mut groups);
-            for (g, group) in groups[..qtype.groups()].iter().enumerate() {
-                let mut q = group.q;
-                if qtype == QType::Q8_0 {
-                    q.iter_mut().for_each(|v| *v ^= 0x80); // i8 -> i8 + 128 as u8
-                }
-                put_levels(qtype, &mut blk[g * qtype.group_bytes()..], r, &q);
-            }
+            put_levels(qtype, blk, r, src);
             put_scales(
                 qtype,
                 &mut blk[qtype.groups() * qtype.group_bytes()..],
@@ -195,22 +187,88 @@ fn repack_panel(w: &Weights<'_>, p: usize, dst: &mut [u8]) {
     }
 }
 
-/// Row r's 32 unsigned levels into its lane of a group (module doc).
-fn put_levels(qtype: QType, group: &mut [u8], r: usize, q: &[u8; 32]) {
-    for c in 0..8 {
-        for i in 0..4 {
-            let (v, at) = (q[4 * c + i], 4 * r + i);
-            if qtype == QType::Q8_0 {
-                group[64 * c + at] = v;
-                continue;
-            }
-            group[64 * (c % 4) + at] |= (v & 0xf) << (4 * (c / 4));
-            match qtype {
-                QType::Q5_0 | QType::Q5_1 | QType::Q5K => group[256 + at] |= ((v >> 4) & 1) << c,
-                QType::Q6K => group[256 + 64 * (c / 4) + at] |= ((v >> 4) & 3) << (2 * (c % 4)),
-                _ => {}
+/// Row r's levels of the file block `src` into its lane of each group of the panel block
+/// `blk` (module doc), byte by byte from the file's bit layout (`format::decode_block`'s,
+/// which the tests hold this to): the 4-bit parts are the file's bytes regrouped, 4 at a
+/// time, so repacking runs at memory speed.
+fn put_levels(qtype: QType, blk: &mut [u8], r: usize, src: &[u8]) {
+    let at = 4 * r;
+    let word = |bytes: &[u8], i: usize| {
+        u32::from_le_bytes([bytes[i], bytes[i + 1], bytes[i + 2], bytes[i + 3]])
+    };
+    match qtype {
+        QType::Q8_0 => {
+            for c in 0..8 {
+                let v = word(src, 2 + 4 * c) ^ 0x8080_8080; // i8 -> i8 + 128 as u8
+                blk[64 * c + at..][..4].copy_from_slice(&v.to_le_bytes());
             }
         }
+        QType::Q4_0 | QType::Q4_1 | QType::Q5_0 | QType::Q5_1 => {
+            let qs = match qtype {
+                QType::Q4_0 => 2,
+                QType::Q4_1 => 4,
+                QType::Q5_0 => 6,
+                _ => 8,
+            };
+            for m in 0..4 {
+                blk[64 * m + at..][..4].copy_from_slice(&src[qs + 4 * m..qs + 4 * m + 4]);
+            }
+            if matches!(qtype, QType::Q5_0 | QType::Q5_1) {
+                let qh = word(src, qs - 4);
+                for i in 0..4 {
+                    blk[256 + at + i] =
+                        (0..8).map(|c| (((qh >> (4 * c + i)) & 1) << c) as u8).sum();
+                }
+            }
+        }
+        QType::Q4K | QType::Q5K => {
+            let (qs, gb) = if qtype == QType::Q5K {
+                (48, 320)
+            } else {
+                (16, 256)
+            };
+            for j in 0..8 {
+                let group = &mut blk[gb * j..];
+                nibbles(group, at, &src[qs + 32 * (j / 2)..][..32], j % 2 == 1);
+                if qtype == QType::Q5K {
+                    let qh = &src[16..48];
+                    for i in 0..4 {
+                        group[256 + at + i] = (0..8).map(|c| ((qh[4 * c + i] >> j) & 1) << c).sum();
+                    }
+                }
+            }
+        }
+        QType::Q6K => {
+            let (ql, qh) = (&src[..128], &src[128..192]);
+            for g in 0..8 {
+                let (h, s) = (g / 4, g % 4);
+                let group = &mut blk[384 * g..];
+                nibbles(group, at, &ql[h * 64 + (s % 2) * 32..][..32], s / 2 == 1);
+                for (v, bits) in group[256..384].chunks_exact_mut(64).enumerate() {
+                    for i in 0..4 {
+                        bits[at + i] = (0..4)
+                            .map(|k| ((qh[h * 32 + 4 * (4 * v + k) + i] >> (2 * s)) & 3) << (2 * k))
+                            .sum();
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// A 32-level group's 4-bit parts from 32 file bytes holding level l in byte l's low nibble
+/// (or high, `high`): the panel's byte `64 m + at + i` takes levels `4m + i` (low nibble) and
+/// `16 + 4m + i` (high nibble).
+fn nibbles(group: &mut [u8], at: usize, bytes: &[u8], high: bool) {
+    for m in 0..4 {
+        let a = u32::from_le_bytes(bytes[4 * m..4 * m + 4].try_into().unwrap_or([0; 4]));
+        let b = u32::from_le_bytes(bytes[16 + 4 * m..20 + 4 * m].try_into().unwrap_or([0; 4]));
+        let v = if high {
+            ((a >> 4) & 0x0f0f_0f0f) | (b & 0xf0f0_f0f0)
+        } else {
+            (a & 0x0f0f_0f0f) | ((b & 0x0f0f_0f0f) << 4)
+        };
+        group[64 * m + at..][..4].copy_from_slice(&v.to_le_bytes());
     }
 }
 
