@@ -129,3 +129,22 @@ def test_packed_demo_model_kernels_within_tolerance(
           f"greedy agreement {agree:.3f}")  # fmt: skip
     assert err <= TOL[kernel] * scale
     assert agree >= AGREE[kernel]
+
+
+@pytest.mark.parametrize("isa", ["avx512", "avx2vnni", "avx2", "scalar"])
+def test_every_instruction_set_gives_the_dequantized_tokens(isa, demo_gguf, prompt_ids, reference):
+    """The default kernels (panels, int16) and the native decode step on each instruction
+    set the kernels are compiled for, forced down with SGL_CPU_ISA's switch: an AVX-512
+    machine runs the AVX2 paths too."""
+    have = quant_kernels.isas()
+    if isa not in have:
+        pytest.skip(f"this CPU lacks {isa} (it runs {', '.join(have)})")
+    try:
+        assert quant_kernels.limit_isa(isa) == isa
+        run = runner(demo_gguf, "python")
+        assert run.native_step is not None
+        prompts = prompt_ids if isa != "scalar" else prompt_ids[:1]  # the portable path is slow
+        want = reference if isa != "scalar" else reference[:1]
+        assert serve(run, "python", False, prompts) == want, isa
+    finally:
+        quant_kernels.limit_isa("avx512")  # no cap: the best the CPU has

@@ -27,6 +27,14 @@ pytestmark = pytest.mark.skipif(
 
 TYPES = list(QUANT_TYPES)
 ISAS = quant_kernels.isas()
+ALL_ISAS = ("avx512", "avx2vnni", "avx2", "scalar")  # what the kernels are compiled for
+
+
+def needs(isa: str) -> None:
+    if isa not in ISAS:
+        pytest.skip(f"this CPU lacks {isa} (it runs {', '.join(ISAS)})")
+
+
 U = 2.0**-24
 # Bytes of each block holding levels (cleared: the weight is its offset) and f16 fields.
 LEVEL_BYTES = {
@@ -70,18 +78,18 @@ def offsets(qtype: str, data: np.ndarray) -> np.ndarray:
     return gguf_dequantize(qtype, cleared.reshape(data.shape))
 
 
-def round_activations(x: np.ndarray) -> np.ndarray:
-    """The kernels' int8 activations, as float64: per 32 values `scale * q`, scale
-    `max|x| / 127`, q the nearest integer (ties to even) of `x * 127 / max|x|`."""
+def round_activations(x: np.ndarray, top: int = 127) -> np.ndarray:
+    """The kernels' int8 (`top` 127) or int16 (16383) activations, as float64: per 32 values
+    `scale * q`, scale `max|x| / top`, q the nearest integer (ties to even) of `x * top / max|x|`."""
     groups = x.astype(np.float32).reshape(-1, 32)
     amax = np.abs(groups).max(axis=1, keepdims=True)
-    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
-    q = np.clip(np.rint(groups * inv), -127, 127)
-    scale = (amax / np.float32(127)).astype(np.float32)
+    inv = np.where(amax > 0, np.float32(top) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+    q = np.clip(np.rint(groups * inv), -top, top)
+    scale = (amax / np.float32(top)).astype(np.float32)
     return (scale.astype(np.float64) * q).reshape(x.shape)
 
 
-def check_matmul(qtype, data, x, y, *, int8: bool) -> None:
+def check_matmul(qtype, data, x, y, *, int8: bool, top: int = 127) -> None:
     """y (float32 [n, rows]) against the float64 reference (module doc)."""
     w = gguf_dequantize(qtype, data)
     m = offsets(qtype, data)
@@ -89,7 +97,7 @@ def check_matmul(qtype, data, x, y, *, int8: bool) -> None:
     k = w.shape[1]
     gamma = k * U / (1 - k * U) + 4 * U
     x = x.astype(np.float64)
-    xr = round_activations(x) if int8 else x
+    xr = round_activations(x, top) if int8 else x
     got = y.astype(np.float64)
     tol = gamma * (np.abs(xr) @ magnitude.T) + 1e-30
     assert np.all(np.abs(got - xr @ w.T) <= tol), np.max(np.abs(got - xr @ w.T) / tol)
@@ -130,8 +138,9 @@ def test_quantize_round_trips_through_gguf(qtype):
 
 @pytest.mark.parametrize("qtype", TYPES)
 @pytest.mark.parametrize("kernel", quant_kernels.KERNELS)
-@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("isa", ALL_ISAS)
 def test_matmul_equals_float64_reference(qtype, kernel, isa):
+    needs(isa)
     rng = np.random.default_rng(3)
     block = QUANT_TYPES[qtype][0]
     shapes = (
@@ -151,6 +160,29 @@ def test_matmul_equals_float64_reference(qtype, kernel, isa):
             )
             assert y.shape == (n, rows) and y.dtype == torch.float32
             check_matmul(qtype, data, x, y.numpy(), int8="int8" in kernel)
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("precision", quant_kernels.PRECISIONS)
+@pytest.mark.parametrize("isa", ALL_ISAS)
+def test_panels_equal_float64_reference(qtype, precision, isa):
+    """The default kernels: a weight repacked into panels, activations rounded to int16 or
+    int8 levels per 32 values; within f32 summation error of the float64 product with the
+    rounded activations, on every instruction set, rows of x in blocks and remainders."""
+    needs(isa)
+    rng = np.random.default_rng(5)
+    block = QUANT_TYPES[qtype][0]
+    top = {"int16": 16383, "int8": 127}[precision]
+    for rows, cols in [(1, block), (17, 2 * block), (40, block)]:
+        data = random_bytes(qtype, rows, cols, rng)
+        panels = quant_kernels.Panels(qtype, torch.from_numpy(data), cols)
+        for n in (1, 3, 9, 17):
+            x = rng.standard_normal((n, cols)).astype(np.float32) * [1.0, 30.0, 0.01][n % 3]
+            y = torch.empty(n, rows)
+            quant_kernels.panel_matmul(
+                [panels.segment(0)], torch.from_numpy(x), y, precision, 2, isa
+            )
+            check_matmul(qtype, data, x, y.numpy(), int8=True, top=top)
 
 
 @pytest.mark.parametrize("n", range(1, 10))

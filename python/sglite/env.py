@@ -8,6 +8,7 @@ Nothing else in sglite reads os.environ. Each getter is called at start-up, neve
 | SGL_CACHE_DIR   | where converted checkpoints (GGUF -> HF folder) are cached     |
 | SGL_LOG_LEVEL   | default log level when no --log-level is given                 |
 | SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR | HiCache file tier directory (SGLang's name) when no --hicache-storage-dir is given |
+| SGL_CPU_ISA     | cap the CPU kernels' instructions: scalar, avx2, avx2vnni or avx512 (default: the best the CPU has), e.g. to run and measure the AVX2 paths on an AVX-512 machine |
 
 It also holds the OpenMP settings the model's process starts with unless the user set them
 (`apply_openmp_defaults`, called before the scheduler process is spawned):
@@ -23,6 +24,7 @@ import os
 from pathlib import Path
 
 TREE_CORE_CHOICES = ("python", "rust", "auto")
+CPU_ISA_CHOICES = ("scalar", "avx2", "avx2vnni", "avx512")
 OPENMP_DEFAULTS = {"GOMP_SPINCOUNT": "20000"}
 
 
@@ -34,6 +36,16 @@ def tree_core() -> str:
 def cache_dir() -> Path:
     default = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "sglite"
     return Path(os.environ.get("SGL_CACHE_DIR", default))
+
+
+def cpu_isa() -> str | None:
+    """The cap on the CPU kernels' instructions (None: none); a bad value is a ValueError."""
+    value = os.environ.get("SGL_CPU_ISA", "").strip().lower()
+    if not value:
+        return None
+    if value not in CPU_ISA_CHOICES:
+        raise ValueError(f"SGL_CPU_ISA={value!r}: one of {', '.join(CPU_ISA_CHOICES)}")
+    return value
 
 
 def log_level() -> str:

@@ -52,6 +52,12 @@ def unavailable_reason() -> str | None:
     return None
 
 
+def limit_isa(name: str) -> str:
+    """Cap every CPU kernel's instructions at `name` (sglite.env's SGL_CPU_ISA choices);
+    returns the fastest they now use."""
+    return _native().limit_cpu_isa(name)
+
+
 def isas() -> tuple[str, ...]:
     """The instruction sets this CPU runs the kernels with, fastest first; () without them."""
     core = _native()

@@ -106,6 +106,22 @@ def resolve_dtype(
     return DTYPES[dtype]
 
 
+def _log_cpu_kernels() -> None:
+    """Apply SGL_CPU_ISA and say which instructions the CPU kernels run."""
+    from sglite import env
+    from sglite.layers import quant_kernels
+
+    cap = env.cpu_isa()
+    if quant_kernels.unavailable_reason() is not None:
+        logger.info("CPU kernels: none (%s)", quant_kernels.unavailable_reason())
+        return
+    if cap is not None:
+        quant_kernels.limit_isa(cap)
+    best = (quant_kernels.isas() or ("scalar",))[0]
+    why = f"SGL_CPU_ISA={cap}" if cap is not None else "the best this CPU has"
+    logger.info("CPU kernels: %s (%s)", best, why)
+
+
 def _name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -139,6 +155,8 @@ class ModelRunner:
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         self.device = resolve_device(device)
+        if self.device.type == "cpu":
+            _log_cpu_kernels()
         if self.device.type == "cuda" and tp_size > 1:  # one GPU per rank
             if self.device.index is None:
                 self.device = torch.device("cuda", tp_rank)

@@ -30,6 +30,7 @@ pub mod contention;
 mod elem;
 mod exp;
 pub mod fp8;
+pub mod isa_cap;
 pub(crate) mod kernel;
 pub mod ops;
 mod plan;

@@ -58,10 +58,12 @@ pub(crate) fn for_rows<J: RowJob>(rows: usize, width: usize, threads: usize, job
 unsafe fn run_best<J: RowJob>(job: &J, from: usize, to: usize) {
     #[cfg(target_arch = "x86_64")]
     {
-        if std::arch::is_x86_feature_detected!("avx512f") {
+        if crate::isa_cap::avx512() && std::arch::is_x86_feature_detected!("avx512f") {
             return run_avx512(job, from, to);
         }
-        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+        if crate::isa_cap::avx2()
+            && std::arch::is_x86_feature_detected!("avx2")
+            && std::arch::is_x86_feature_detected!("fma")
         {
             return run_avx2(job, from, to);
         }

@@ -149,13 +149,14 @@ pub fn store<T: Elem>(
 fn convert_row<T: Elem>(src: &[T], dst: &mut [u8], kind: StoreKind) {
     #[cfg(target_arch = "x86_64")]
     {
-        if std::arch::is_x86_feature_detected!("avx512f")
+        if crate::isa_cap::avx512()
+            && std::arch::is_x86_feature_detected!("avx512f")
             && std::arch::is_x86_feature_detected!("avx512bw")
         {
             // SAFETY: the CPU has AVX-512F and BW (checked just above).
             return unsafe { convert_row_avx512(src, dst, kind) };
         }
-        if std::arch::is_x86_feature_detected!("avx2") {
+        if crate::isa_cap::avx2() && std::arch::is_x86_feature_detected!("avx2") {
             // SAFETY: the CPU has AVX2 (checked just above).
             return unsafe { convert_row_avx2(src, dst, kind) };
         }

@@ -253,6 +253,22 @@ pub fn quant_panel_matmul(
     }))
 }
 
+/// Cap every CPU kernel's instructions at `name` (scalar, avx2, avx2vnni or avx512), e.g. to
+/// run the AVX2 paths on an AVX-512 machine; returns the fastest the kernels now use.
+#[pyfunction]
+pub fn limit_cpu_isa(name: &str) -> PyResult<&'static str> {
+    let level = cpu_attn::isa_cap::LEVELS
+        .iter()
+        .position(|l| *l == name)
+        .ok_or_else(|| {
+            value_error(format!(
+                "cpu isa {name:?}: scalar, avx2, avx2vnni or avx512"
+            ))
+        })?;
+    cpu_attn::isa_cap::set_level(level as u8);
+    Ok(Isa::best().name())
+}
+
 /// The instruction sets this CPU runs the kernels with, fastest first.
 #[pyfunction]
 pub fn quant_isas() -> Vec<&'static str> {
@@ -267,6 +283,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(quant_matmul_many, m)?)?;
     m.add_function(wrap_pyfunction!(quant_dequantize, m)?)?;
     m.add_function(wrap_pyfunction!(quant_isas, m)?)?;
+    m.add_function(wrap_pyfunction!(limit_cpu_isa, m)?)?;
     m.add_function(wrap_pyfunction!(quant_panel_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(quant_repack, m)?)?;
     m.add_function(wrap_pyfunction!(quant_panel_matmul, m)?)?;

@@ -84,16 +84,18 @@ impl Isa {
         Isa::ALL.into_iter().find(|i| i.name() == name)
     }
 
-    /// Whether this CPU has the features the kernels of `self` use.
+    /// Whether this CPU has the features the kernels of `self` use (and `cpu_attn::isa_cap`
+    /// allows them).
     pub fn is_available(self) -> bool {
+        use cpu_attn::isa_cap;
         match self {
             Isa::Scalar => true,
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 => x86::has_avx2(),
+            Isa::Avx2 => isa_cap::avx2() && x86::has_avx2(),
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx2Vnni => x86::has_avx2_vnni(),
+            Isa::Avx2Vnni => isa_cap::avx_vnni() && x86::has_avx2_vnni(),
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 => x86::has_avx512(),
+            Isa::Avx512 => isa_cap::avx512() && x86::has_avx512(),
             #[cfg(not(target_arch = "x86_64"))]
             _ => false,
         }

@@ -43,13 +43,15 @@ pub(crate) unsafe fn run_tasks<T: Elem, K: KvElem>(
 ) {
     #[cfg(target_arch = "x86_64")]
     {
-        if std::arch::is_x86_feature_detected!("avx512f")
+        if crate::isa_cap::avx512()
+            && std::arch::is_x86_feature_detected!("avx512f")
             && std::arch::is_x86_feature_detected!("avx512bw")
         {
             // SAFETY: the CPU has AVX-512F and BW (checked just above).
             return run_avx512(plan, p, v_row, tasks, out);
         }
-        if std::arch::is_x86_feature_detected!("avx2")
+        if crate::isa_cap::avx2()
+            && std::arch::is_x86_feature_detected!("avx2")
             && std::arch::is_x86_feature_detected!("fma")
             && std::arch::is_x86_feature_detected!("f16c")
         {
