@@ -116,6 +116,12 @@ unsafe fn linear<'a>(name: &str, desc: &LinearDesc) -> PyResult<Linear<'a>> {
 }
 
 impl PyDecodeStep {
+    fn scratch_guard(&self) -> PyResult<std::sync::MutexGuard<'_, Scratch>> {
+        self.scratch
+            .lock()
+            .map_err(|_| value_error("DecodeStep: a previous run panicked".to_owned()))
+    }
+
     /// The borrowed model. SAFETY: as `linear`; one run at a time (the pools are written).
     unsafe fn model<'a>(&'a self) -> PyResult<Model<'a>> {
         let d = &self.desc;
@@ -196,6 +202,19 @@ impl PyDecodeStep {
         Ok(step)
     }
 
+    /// Time the parts of every run from now on (`on`), or stop; the totals restart at 0.
+    fn profile(&self, on: bool) -> PyResult<()> {
+        self.scratch_guard()?.profile(on);
+        Ok(())
+    }
+
+    /// Nanoseconds spent while profiling: (matmuls, attention with the K/V writes,
+    /// element-wise steps).
+    fn spent(&self) -> PyResult<(u64, u64, u64)> {
+        let [m, a, e] = self.scratch_guard()?.spent();
+        Ok((m, a, e))
+    }
+
     /// `x` float32 `[n, hidden]` (the embeddings; on return, the final norm's output),
     /// `ropes` per rotary table `(int64 rows [n], float32 table)`, `loc` int64 `[n]` (the new
     /// K/V slots), `plans` the step's attention plans and `layer_plans` the one each layer
@@ -228,10 +247,7 @@ impl PyDecodeStep {
             ));
         }
         let plans: Vec<&cpu_attn::DecodePlan> = plans.iter().map(|p| p.inner()).collect();
-        let mut scratch = self
-            .scratch
-            .lock()
-            .map_err(|_| value_error("DecodeStep: a previous run panicked".to_owned()))?;
+        let mut scratch = self.scratch_guard()?;
         // SAFETY: the caller's contract (module doc); the mutex keeps runs one at a time.
         let result = unsafe {
             let mut model = self.model()?;

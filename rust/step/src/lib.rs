@@ -23,7 +23,7 @@ use quant::{panel_matmul_segments, Isa, Panels, Precision};
 
 mod scratch;
 
-pub use scratch::Scratch;
+pub use scratch::{Scratch, ATTENTION, ELEMENTWISE, MATMUL};
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct StepError(pub String);
@@ -152,8 +152,10 @@ fn run_layers<K: KvElem>(
         .first()
         .map(|l| l.input_norm)
         .unwrap_or(model.final_norm);
+    s.clock.start();
     rms_norm(x, None, first_norm, &mut s.normed[..n * h], eps, threads)
         .or_else(|e| fail("norm", e))?;
+    s.clock.lap(ELEMENTWISE);
     let num_layers = model.layers.len();
     for i in 0..num_layers {
         let next_norm = match model.layers.get(i + 1) {
@@ -170,6 +172,7 @@ fn run_layers<K: KvElem>(
             model.precision,
             threads,
         )?;
+        s.clock.lap(MATMUL);
         let (mut q_src, mut k_src) = (
             HeadRows {
                 data: &s.qkv[..],
@@ -219,6 +222,7 @@ fn run_layers<K: KvElem>(
                 copy_rows(&k_src, n, kv_width, k_rot);
             }
         }
+        s.clock.lap(ELEMENTWISE);
         let k_rows = Rows {
             data: &k_rot[..],
             row_stride: kv_width,
@@ -250,6 +254,7 @@ fn run_layers<K: KvElem>(
             .ok_or_else(|| StepError(format!("layer {i}: no plan {}", layer.plan)))?;
         plan.run(&attn_layer, &mut s.attn[..n * q_width], threads)
             .or_else(|e| fail("attention", e))?;
+        s.clock.lap(ATTENTION);
         linear(
             &layer.o,
             &s.attn[..n * q_width],
@@ -258,6 +263,7 @@ fn run_layers<K: KvElem>(
             model.precision,
             threads,
         )?;
+        s.clock.lap(MATMUL);
         finish_branch(
             model.residual_scale,
             layer.attn_out_norm,
@@ -275,6 +281,7 @@ fn run_layers<K: KvElem>(
         )
         .or_else(|e| fail("norm", e))?;
         // MLP
+        s.clock.lap(ELEMENTWISE);
         let inter = model.intermediate;
         linear(
             &layer.gate_up,
@@ -284,6 +291,7 @@ fn run_layers<K: KvElem>(
             model.precision,
             threads,
         )?;
+        s.clock.lap(MATMUL);
         gated_mul(
             model.gate,
             &s.gate_up[..n * 2 * inter],
@@ -292,6 +300,7 @@ fn run_layers<K: KvElem>(
             threads,
         )
         .or_else(|e| fail("gated mul", e))?;
+        s.clock.lap(ELEMENTWISE);
         linear(
             &layer.down,
             &s.act[..n * inter],
@@ -300,6 +309,7 @@ fn run_layers<K: KvElem>(
             model.precision,
             threads,
         )?;
+        s.clock.lap(MATMUL);
         finish_branch(
             model.residual_scale,
             layer.mlp_out_norm,
@@ -321,6 +331,7 @@ fn run_layers<K: KvElem>(
             threads,
         )
         .or_else(|e| fail("norm", e))?;
+        s.clock.lap(ELEMENTWISE);
     }
     if num_layers == 0 {
         x.copy_from_slice(&s.normed[..n * h]);
