@@ -467,6 +467,52 @@ unsafe fn halves<L: Lanes, F: PFmt, const WIDE: bool>(
     [L::combine(hi[0], lo[0]), L::combine(hi[1], lo[1])]
 }
 
+/// The sums of N rows at once (from the activations' offset `at` of row 0, rows `cols`
+/// apart), chunk by chunk: one chain per row and byte plane (and half, for Q6_K), which with
+/// three rows or more is enough in flight, and few enough registers that nothing spills
+/// (the second half's entries are zero but for Q6_K).
+#[inline(always)]
+unsafe fn chunk_major<L: Lanes, F: PFmt, const N: usize, const WIDE: bool>(
+    ch: &[L::I; 8],
+    a: &PanelActs,
+    at: usize,
+    cols: usize,
+) -> [[L::I; 2]; N] {
+    let halves = F::QTYPE == QType::Q6K;
+    let (lo, hi) = (a.lo.as_ptr().add(at), a.hi.as_ptr().wrapping_add(at));
+    let mut s_lo = [[L::zero(); 2]; N];
+    let mut s_hi = [[L::zero(); 2]; N];
+    for (c, v) in ch.iter().enumerate() {
+        let h = if halves { c / 4 } else { 0 };
+        for r in 0..N {
+            let off = r * cols + 4 * c;
+            s_lo[r][h] = if F::QTYPE == QType::Q8_0 {
+                L::dot_full(s_lo[r][h], *v, lo.add(off))
+            } else {
+                L::dot(s_lo[r][h], *v, lo.add(off))
+            };
+            if WIDE {
+                s_hi[r][h] = if F::QTYPE == QType::Q8_0 {
+                    L::dot_full(s_hi[r][h], *v, hi.add(off))
+                } else {
+                    L::dot(s_hi[r][h], *v, hi.add(off))
+                };
+            }
+        }
+    }
+    let mut out = [[L::zero(); 2]; N];
+    for r in 0..N {
+        for h in 0..2 {
+            out[r][h] = if WIDE {
+                L::combine(s_hi[r][h], s_lo[r][h])
+            } else {
+                s_lo[r][h]
+            };
+        }
+    }
+    out
+}
+
 /// How far ahead of the block being read the kernel prefetches (past a panel's end: the next
 /// panel's start, which the same thread reads next in its run; at worst a line nobody needs).
 const PREFETCH_AHEAD: usize = 2048;
@@ -520,10 +566,18 @@ pub(crate) unsafe fn panel_rows<L: Lanes, F: PFmt, const N: usize, const WIDE: b
                 sc
             };
             let gi = b * F::G + g;
-            for (r, acc) in acc.iter_mut().enumerate() {
+            let sums = if N >= 3 {
+                chunk_major::<L, F, N, WIDE>(&ch, a, (x0 * w.cols) + 32 * gi, w.cols)
+            } else {
+                let mut sums = [[L::zero(); 2]; N];
+                for (r, s) in sums.iter_mut().enumerate() {
+                    *s = halves::<L, F, WIDE>(&ch, a, ((x0 + r) * groups + gi) * 32);
+                }
+                sums
+            };
+            for (r, (acc, [i0, i1])) in acc.iter_mut().zip(sums).enumerate() {
                 let at = (x0 + r) * groups + gi;
                 let xs = *a.scale.get_unchecked(at);
-                let [i0, i1] = halves::<L, F, WIDE>(&ch, a, at * 32);
                 let q = a.qsum.as_ptr().add(2 * at);
                 if F::QTYPE == QType::Q6K {
                     *acc = L::fma(L::cvt(L::sub32(i0, 32 * *q)), L::scale(sc, xs), *acc);
