@@ -1,5 +1,6 @@
 """GGUF block-quantized matmul on the CPU (rust/quant): GEMV GB/s vs the machine's copy
-bandwidth, GEMM GFLOP/s vs torch's fp32 matmul on the dequantized weight.
+bandwidth, GEMM GFLOP/s vs torch's fp32 matmul on the dequantized weight; the default panel
+kernels (int16 activations, and int8) beside the exact ones on the file's blocks.
 
 Workload (fixed, seeded): per block type, a 576x1536 weight (the demo model's MLP input) and a
 4096x4096 one (a 7B's attention), random Gaussian rows quantized by `quant_formats.quantize`.
@@ -7,7 +8,8 @@ GEMV (decode, batch 1 and 8) cycles over copies of the weight adding up to >= 12
 that it streams from DRAM as a model's layers do; it reports weight bytes read per second and
 their share of the measured copy bandwidth (`torch.Tensor.copy_` of 256 MiB: bytes copied per
 second) and read bandwidth (`torch.sum`). GEMM (batch 1, 16, 128, 512) reports GFLOP/s
-(2 * n * rows * cols per call) of each native kernel, of the automatic choice, of torch fp32
+(2 * n * rows * cols per call) of the panels (int16, int8), of each exact kernel and their
+automatic choice, of torch fp32
 (`F.linear` on the dequantized weight, and oneDNN's packed linear, which sglite's float
 layers use), and of dequantizing the weight then `F.linear` (the "dequantized tiles + torch"
 variant). Rounds interleave every variant; the best round counts. With one thread (the
@@ -84,6 +86,11 @@ def variants(qtype: str, weight: torch.Tensor, cols: int, n: int):
         for k in quant_kernels.KERNELS
     }
     calls["native_auto"] = lambda: quant_kernels.matmul(x, qtype, weight, cols, out)
+    panels = quant_kernels.Panels(qtype, weight, cols)
+    for precision in quant_kernels.PRECISIONS:
+        calls[f"panels_{precision}"] = lambda p=precision: quant_kernels.panel_matmul(
+            [panels.segment(0)], x, out, p, torch.get_num_threads()
+        )
     calls["torch_fp32"] = lambda: F.linear(x, dense)
     if can_prepack(torch.float32):
         packed = torch.ops.mkldnn._reorder_linear_weight(dense)
@@ -98,20 +105,25 @@ def variants(qtype: str, weight: torch.Tensor, cols: int, n: int):
 
 def bench_gemv(qtype: str, weight: torch.Tensor, cols: int, rounds: int, bw: dict) -> list:
     copies = [weight.clone() for _ in range(max(1, STREAM_BYTES // weight.numel()))]
+    panels = [quant_kernels.Panels(qtype, w, cols).segment(0) for w in copies]
     results = []
     for n in GEMV_BATCHES:
         x = torch.randn(n, cols)
         out = torch.empty(n, weight.shape[0])
-        for kernel in ("gemv", "gemv_int8"):
+        for kernel in ("gemv", "panels_int16", "panels_int8"):
 
             def sweep(kernel=kernel, x=x, out=out):
-                for w in copies:
-                    quant_kernels.matmul(x, qtype, w, cols, out, kernel=kernel)
+                threads = torch.get_num_threads()
+                for w, p in zip(copies, panels):
+                    if kernel == "gemv":
+                        quant_kernels.matmul(x, qtype, w, cols, out, kernel=kernel)
+                    else:
+                        quant_kernels.panel_matmul([p], x, out, kernel[7:], threads)
 
             best, median = _best(sweep, rounds)
             gbs = weight.numel() * len(copies) / best / 1e9
             results.append(
-                dict(kind="gemv", n=n, variant=f"native_{kernel}", best_ms=best / len(copies) * 1e3,
+                dict(kind="gemv", n=n, variant=kernel, best_ms=best / len(copies) * 1e3,
                      median_ms=median / len(copies) * 1e3, weight_gbs=gbs,
                      pct_of_copy=100 * gbs / bw["copy_gbs"], pct_of_read=100 * gbs / bw["read_gbs"])
             )  # fmt: skip
@@ -192,17 +204,17 @@ def summary(qtype: str, rows: int, cols: int, results: list) -> str:
                 return r[key]
         return float("nan")
 
-    gemv = pick("gemv", 1, "native_gemv_int8", "weight_gbs")
-    pct = pick("gemv", 1, "native_gemv_int8", "pct_of_copy")
+    gemv = pick("gemv", 1, "panels_int16", "weight_gbs")
+    pct = pick("gemv", 1, "panels_int16", "pct_of_copy")
     torch_best = "torch_fp32_onednn" if can_prepack(torch.float32) else "torch_fp32"
     gemm = " ".join(
-        f"n={n} {pick('gemm', n, 'native_auto', 'gflops'):.0f}"
+        f"n={n} {pick('gemm', n, 'panels_int16', 'gflops'):.0f}"
         f"/{pick('gemm', n, torch_best, 'gflops'):.0f}"
         for n in GEMM_BATCHES
     )
     return (
-        f"{qtype} {rows}x{cols} {results[0]['threads']}t: GEMV {gemv:.1f} GB/s ({pct:.0f}% of "
-        f"copy); GFLOP/s native/{torch_best} {gemm}"
+        f"{qtype} {rows}x{cols} {results[0]['threads']}t: panels int16 GEMV {gemv:.1f} GB/s "
+        f"({pct:.0f}% of copy); GFLOP/s panels int16/{torch_best} {gemm}"
     )
 
 

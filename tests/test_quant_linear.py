@@ -240,12 +240,12 @@ def test_the_demo_gguf_files_tensors_as_the_file_has_them():
         assert_close(layer(x), twin(x))
 
 
-@pytest.mark.parametrize("kernel", ["gemv_int8", "exact"])
+@pytest.mark.parametrize("kernel", ["gemv", "exact"])
 @pytest.mark.parametrize("n", [1, 3, 40])
 def test_a_merged_weight_in_one_call_equals_a_call_per_segment(kernel, n):
-    """q, k, v in three formats go to the kernels as one call (`quant_matmul_many`: one
-    rounding of x, all rows spread over the threads); each segment's columns are what its own
-    call computes, to the bit."""
+    """q, k, v in three formats go to the exact kernels as one call (`quant_matmul_many`:
+    all rows spread over the threads); each segment's columns are what its own call
+    computes, to the bit."""
     from sglite.layers.quant_linear import PackedWeight
 
     cols = 512
@@ -259,7 +259,7 @@ def test_a_merged_weight_in_one_call_equals_a_call_per_segment(kernel, n):
     assert weight._many is not None  # the one-call path ran
     want_kernel = kernel
     if kernel == "exact":
-        want_kernel = "gemv" if n <= quant_kernels.EXACT_GEMV_MAX_ROWS else "gemm_f32"
+        want_kernel = "gemv" if n <= quant_kernels.gemv_max_rows() else "gemm_f32"
     want = torch.cat(
         [quant_kernels.matmul(x, s.qtype, s.data, cols, kernel=want_kernel) for s in segs], 1
     )

@@ -7,11 +7,9 @@ row-parallel shard is a window of whole blocks of each row: `narrow(1, ...)` of 
 rows), the bytes of a row must be contiguous. This module checks that layout contract,
 keeps the tensors alive for each call and runs the kernels on torch's OpenMP team.
 
-Two layouts. The file's (`matmul`, `Prepared`): `gemv_int8` and `gemm_int8` round the
-activations to int8 per 32 values and use integer dot products (the GEMV streams W for
-decode, the GEMM unpacks tiles of W for prefill); `gemv` and `gemm_f32` are exact (the weights
-dequantized to f32 in registers or tiles): the `exact` kernel. `None` picks `gemv_int8` up to
-`gemv_max_rows()` rows, else `gemm_int8`. Panels (`Panels`, `panel_matmul`): the weight
+Two layouts. The file's (`matmul`, `Prepared`): `gemv` and `gemm_f32` (`KERNELS`) are exact,
+the weights dequantized to f32 in registers or tiles (the `exact` kernel); `None` picks the
+GEMV up to `gemv_max_rows()` rows of x, the tiles beyond. Panels (`Panels`, `panel_matmul`): the weight
 repacked once into panels of 16 rows (rust/quant/src/panel.rs), one kernel for every batch
 size with the activations rounded per 32 values to `int16` levels (+-16383: the default, within
 ~3e-5 of the exact product) or `int8` (llama.cpp's rounding). Instruction sets: `isas()`,
@@ -27,7 +25,7 @@ import torch
 
 from sglite.layers.quant_formats import QUANT_TYPES, row_bytes
 
-KERNELS = ("gemv", "gemv_int8", "gemm_f32", "gemm_int8")
+KERNELS = ("gemv", "gemm_f32")
 
 
 @functools.cache
@@ -64,15 +62,9 @@ def isas() -> tuple[str, ...]:
     return tuple(core.quant_isas()) if core is not None else ()
 
 
-# The exact kernels' switch: the f32 tiles dequantize (and transpose) each tile of W once per
-# call, ~6 ms for a 4096x4096 weight on 2 cores whatever the rows of x, so the GEMV, which
-# decodes W once per 8 rows of x, is faster up to ~32 rows (Q4_K 4096x4096, 2 threads: 8
-# rows 1.9 vs 6.6 ms, 16: 3.6 vs 6.9, 32: 7.1 vs 8.5, 64: 13.8 vs 11.0; Q6_K and Q4_1 alike).
-EXACT_GEMV_MAX_ROWS = 32
-
-
 def gemv_max_rows() -> int:
-    """The most activation rows the automatic choice sends to the GEMV (beyond: the tiles)."""
+    """The most activation rows the automatic choice sends to the exact GEMV (beyond: the
+    tiles, whose cost per call of dequantizing W pays off from ~32 rows)."""
     core = _native()
     return core.GEMV_MAX_ROWS if core is not None else 0
 

@@ -242,8 +242,8 @@ class PackedWeight:
         self.out_features, self.in_features = out_features, in_features
         self.segments: list[tuple[int, Rows]] = []
         # None or "int16": the panel kernels with int16 activations (the default); "int8":
-        # with int8 ones; "exact": float32 activations on the file's blocks (gemv up to
-        # quant_kernels.EXACT_GEMV_MAX_ROWS rows, gemm_f32 beyond); or one file kernel
+        # with int8 ones; "exact": float32 activations on the file's blocks (the GEMV up to
+        # quant_kernels.gemv_max_rows() rows, the f32 tiles beyond); or one file kernel
         self.kernel: str | None = None
         self._native: list[tuple[int, quant_kernels.Prepared | torch.Tensor]] | None = None
         # (function, segment args) of one native call for all the segments, or None
@@ -366,10 +366,7 @@ class PackedWeight:
             flat = flat.to(torch.float32).contiguous()
         y = torch.empty((flat.shape[0], self.out_features), dtype=torch.float32)
         threads, kernel = torch.get_num_threads(), self.kernel
-        if kernel == "exact":
-            exact_gemv = flat.shape[0] <= quant_kernels.EXACT_GEMV_MAX_ROWS
-            kernel = "gemv" if exact_gemv else "gemm_f32"
-        elif kernel in quant_kernels.PRECISIONS:  # repack() declined (e.g. quant_rows)
+        if kernel not in quant_kernels.KERNELS:  # exact, or repack() declined: by rows of x
             kernel = None
         if self._many is not None:  # one native call for all the segments
             x_raw, y_raw = (flat.data_ptr(), flat.numel()), (y.data_ptr(), y.numel())

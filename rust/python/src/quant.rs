@@ -34,11 +34,8 @@ fn isa(name: Option<&str>) -> PyResult<Isa> {
 
 fn kernel(name: Option<&str>) -> PyResult<Option<Kernel>> {
     name.map(|name| {
-        Kernel::from_name(name).ok_or_else(|| {
-            value_error(format!(
-                "kernel {name:?}: gemv, gemv_int8, gemm_f32 or gemm_int8"
-            ))
-        })
+        Kernel::from_name(name)
+            .ok_or_else(|| value_error(format!("kernel {name:?}: gemv or gemm_f32")))
     })
     .transpose()
 }

@@ -1,30 +1,29 @@
-//! GGUF block-quantized weights on the CPU, used as the file stores them: dequantize, and
-//! `y = x W^T` without ever materialising W in f32.
+//! GGUF block-quantized weights on the CPU: dequantize, and `y = x W^T` without ever
+//! materialising W in f32, in two layouts.
 //!
-//! Layout contract (checked by `Weights::new` and `matmul`; the Python launcher checks dtypes
-//! and contiguity):
+//! **Panels** (`panel`, `panel_matmul_segments`; the default kernels): each weight repacked
+//! once into panels of 16 rows, x rounded per 32 values to 16-bit (or 8-bit) integer levels,
+//! integer dot products that advance 16 outputs each (`vpdpbusd`; `vpmaddubsw` on AVX2).
+//!
+//! **The file's blocks** (`matmul`, `matmul_segments`; the exact kernels): layout contract
+//! (checked by `Weights::new` and `matmul`; the Python launcher checks dtypes and contiguity):
 //! - `W` `[rows, cols]` is `rows` rows of `cols / block_len` blocks each, exactly as in a GGUF
 //!   file (`format`), rows `row_stride` bytes apart (a column shard of a row-parallel layer
 //!   is a window of whole blocks of each row, so `row_stride` may exceed a row's bytes).
 //! - `x` `[n, cols]` f32 row-major; `y` `[n, ld_y]` f32, of which this writes columns
 //!   `0..rows` of each row (so a merged layer's segments write their own column ranges).
 //!
-//! Kernels (`Kernel`), each for AVX-512 (F, BW, VL and VNNI), AVX2 (with FMA and F16C) and
-//! portable code (`Isa`), chosen at run time or forced (tests run every path the CPU has):
+//! Exact kernels (`Kernel`): the product with the exact dequantized weights in f32.
 //! - `Gemv`: the decode case. Rows of W are read once, each block decoded to f32 in registers
-//!   and multiplied into all `n` rows of `x`: memory-bound, it streams W.
-//! - `GemvInt8`: as `Gemv`, but `x` is first quantized to int8 per 32 values (`act`), and the
-//!   block's levels meet it in integer dot products (`vpdpbusd`, or `pmaddubsw` on AVX2).
-//! - `GemmInt8`: prefill and large batches. A tile of 32 rows of W is unpacked once into the
-//!   layout of the integer dot product (4 levels of 32 rows per 128 bytes) and every row of
-//!   the int8 `x` meets it: compute-bound, 4 multiply-adds per lane and instruction.
-//! - `GemmF32`: the same tiling with the tile dequantized to f32 and an f32 micro-kernel.
+//!   and multiplied into all `n` rows of `x`.
+//! - `GemmF32`: a tile of 32 rows of W dequantized once per call into f32 panels for an f32
+//!   micro-kernel.
 //!
-//! The int8 kernels compute the exact product with the activations rounded to int8 (one
-//! scale per 32 values); the f32 ones the product with the exact dequantized weights.
-//! Work is split by rows of W across threads of `cpu_attn::pool` (torch's OpenMP team).
+//! Every kernel runs on AVX-512 (F, BW, VL and VNNI), AVX2 (with FMA and F16C; AVX-VNNI for
+//! the panels where present) and portable code (`Isa`), chosen at run time or forced (tests
+//! run every path the CPU has). Work is split by rows of W across threads of
+//! `cpu_attn::pool` (torch's OpenMP team).
 
-mod act;
 pub mod format;
 pub mod panel;
 mod panel_act;
@@ -110,29 +109,20 @@ impl Isa {
     }
 }
 
-/// The loop structure (see the module doc).
+/// The exact kernels' loop structure (see the module doc).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Kernel {
     Gemv,
-    GemvInt8,
     GemmF32,
-    GemmInt8,
 }
 
 impl Kernel {
-    pub const ALL: [Kernel; 4] = [
-        Kernel::Gemv,
-        Kernel::GemvInt8,
-        Kernel::GemmF32,
-        Kernel::GemmInt8,
-    ];
+    pub const ALL: [Kernel; 2] = [Kernel::Gemv, Kernel::GemmF32];
 
     pub fn name(self) -> &'static str {
         match self {
             Kernel::Gemv => "gemv",
-            Kernel::GemvInt8 => "gemv_int8",
             Kernel::GemmF32 => "gemm_f32",
-            Kernel::GemmInt8 => "gemm_int8",
         }
     }
 
@@ -140,24 +130,22 @@ impl Kernel {
         Kernel::ALL.into_iter().find(|k| k.name() == name)
     }
 
-    /// The measured choice for `n` rows of activations (benches/bench_quant_kernels.py; one
-    /// core, 4096x4096 streamed from DRAM): up to `GEMV_MAX_ROWS` rows the GEMV (int8: at one
-    /// row 15 vs 13 GB/s for f32 on Q4_K, 14 vs 12 on Q6_K; equal at four), beyond it the
-    /// int8 tiles (8 rows: 2.2 ms vs 4.8 for the GEMV; 370 vs 160 GFLOP/s for the f32 tiles
-    /// at 128 rows). Both round the activations alike, so a row's result does not depend on
-    /// the batch it came in (up to f32 summation order); `Gemv` and `GemmF32` are the exact
-    /// kernels, for when that rounding is not wanted.
+    /// The measured choice for `n` rows of x: the f32 tiles dequantize (and transpose) each
+    /// tile of W once per call, ~6 ms for a 4096x4096 weight on 2 cores whatever the rows of
+    /// x, so the GEMV, which decodes W once per 8 rows, is faster up to ~32 rows (Q4_K
+    /// 4096x4096, 2 threads: 8 rows 1.9 vs 6.6 ms, 16: 3.6 vs 6.9, 32: 7.1 vs 8.5, 64: 13.8
+    /// vs 11.0; Q6_K and Q4_1 alike).
     pub fn auto(n: usize) -> Kernel {
         if n <= GEMV_MAX_ROWS {
-            Kernel::GemvInt8
+            Kernel::Gemv
         } else {
-            Kernel::GemmInt8
+            Kernel::GemmF32
         }
     }
 }
 
-/// The most activation rows `Kernel::auto` sends to the GEMV.
-pub const GEMV_MAX_ROWS: usize = 4;
+/// The most rows of x `Kernel::auto` sends to the GEMV.
+pub const GEMV_MAX_ROWS: usize = 32;
 
 /// A quantized weight matrix borrowed from the file's bytes (see the module doc).
 #[derive(Clone, Copy, Debug)]
@@ -353,10 +341,10 @@ pub fn matmul_segments(
     }
     let threads = run.threads.max(1);
     match kernel {
-        Kernel::Gemv | Kernel::GemvInt8 => run::gemv_many(&problems, kernel, run.isa, threads),
-        Kernel::GemmF32 | Kernel::GemmInt8 => {
+        Kernel::Gemv => run::gemv_many(&problems, run.isa, threads),
+        Kernel::GemmF32 => {
             for p in &problems {
-                run::gemm(p, kernel, run.isa, threads)
+                run::gemm(p, run.isa, threads)
             }
         }
     }

@@ -2,7 +2,7 @@
 //! with one f32 scale (`x ~ scale * q`), held as the bytes the integer dot products take.
 //!
 //! `Precision::Int8`: levels -127..=127, the scale `max |x| / 127` (llama.cpp's Q8_0
-//! activations, and `act::Acts`'s rounding). `Precision::Int16`: levels -16383..=16383, the
+//! activations' rounding). `Precision::Int16`: levels -16383..=16383, the
 //! scale `max |x| / 16383`, 129x finer; a level `q = 128 * hi + lo` is held as two bytes,
 //! `hi = q >> 7` (-128..=127) and `lo = q & 127`, so that each meets the unsigned weight
 //! levels in the same byte dot product (`vpdpbusd`) and the two sums add up exactly in int32

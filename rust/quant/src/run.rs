@@ -1,10 +1,9 @@
-//! The threads' share of a product: rows of W split into tasks over `cpu_attn::pool`
-//! (torch's OpenMP team), the activations rounded once per call for the int8 kernels.
+//! The threads' share of an exact product over the file's blocks: rows of W split into tasks
+//! over `cpu_attn::pool` (torch's OpenMP team).
 
-use crate::format::QType;
 #[cfg(target_arch = "x86_64")]
 use crate::x86;
-use crate::{act, scalar, Isa, Kernel, Problem};
+use crate::{scalar, Isa, Problem};
 
 /// Rows of W per GEMV task: enough tasks to balance the threads, each long enough to stream.
 /// (The GEMV runs them as `pool::for_each_streamed`: each thread's tasks one run of rows.)
@@ -13,15 +12,7 @@ pub(crate) fn gemv_task_rows(rows: usize, threads: usize) -> usize {
 }
 
 /// The GEMV of problems that share x (`matmul_segments`).
-pub(crate) fn gemv_many(problems: &[Problem<'_>], kernel: Kernel, isa: Isa, threads: usize) {
-    let p0 = &problems[0];
-    let mut acts = (kernel == Kernel::GemvInt8).then(|| act::Acts::quantize(p0.x, p0.n, p0.w.cols));
-    let paired = |p: &Problem<'_>| matches!(p.w.qtype, QType::Q4K | QType::Q5K);
-    if let Some(a) = acts.as_mut() {
-        if isa == Isa::Avx512 && problems.iter().any(paired) {
-            a.arrange_k(p0.w.cols); // x86::gemv_int8's layout for these formats
-        }
-    }
+pub(crate) fn gemv_many(problems: &[Problem<'_>], isa: Isa, threads: usize) {
     let total: usize = problems.iter().map(|p| p.w.rows).sum();
     let step = gemv_task_rows(total, threads);
     // (problem, rows) of each task, the problems' rows in order
@@ -40,36 +31,25 @@ pub(crate) fn gemv_many(problems: &[Problem<'_>], kernel: Kernel, isa: Isa, thre
         // SAFETY: `p` was checked in `matmul`, `isa` is available, and task `t` alone writes
         // columns `rows` of y.
         unsafe {
-            match (&acts, isa) {
+            match isa {
                 #[cfg(target_arch = "x86_64")]
-                (None, Isa::Avx512 | Isa::Avx2 | Isa::Avx2Vnni) => x86::gemv_f32(p, rows, isa),
-                #[cfg(target_arch = "x86_64")]
-                (Some(a), Isa::Avx512 | Isa::Avx2 | Isa::Avx2Vnni) => {
-                    x86::gemv_int8(p, a, rows, isa)
-                }
-                (None, _) => scalar::gemv_f32(p, rows),
-                (Some(a), _) => scalar::gemv_int8(p, a, rows),
+                Isa::Avx512 | Isa::Avx2 | Isa::Avx2Vnni => x86::gemv_f32(p, rows, isa),
+                _ => scalar::gemv_f32(p, rows),
             }
         }
     });
 }
 
-pub(crate) fn gemm(p: &Problem<'_>, kernel: Kernel, isa: Isa, threads: usize) {
-    let acts = (kernel == Kernel::GemmInt8).then(|| act::Acts::quantize(p.x, p.n, p.w.cols));
+pub(crate) fn gemm(p: &Problem<'_>, isa: Isa, threads: usize) {
     let tiles = p.w.rows.div_ceil(TILE_ROWS);
     cpu_attn::pool::for_each(tiles, threads, &|t| {
         let rows = t * TILE_ROWS..((t + 1) * TILE_ROWS).min(p.w.rows);
         // SAFETY: as in `gemv`.
         unsafe {
-            match (&acts, isa) {
+            match isa {
                 #[cfg(target_arch = "x86_64")]
-                (None, Isa::Avx512 | Isa::Avx2 | Isa::Avx2Vnni) => x86::gemm_f32(p, rows, isa),
-                #[cfg(target_arch = "x86_64")]
-                (Some(a), Isa::Avx512 | Isa::Avx2 | Isa::Avx2Vnni) => {
-                    x86::gemm_int8(p, a, rows, isa)
-                }
-                (None, _) => scalar::gemv_f32(p, rows),
-                (Some(a), _) => scalar::gemv_int8(p, a, rows),
+                Isa::Avx512 | Isa::Avx2 | Isa::Avx2Vnni => x86::gemm_f32(p, rows, isa),
+                _ => scalar::gemv_f32(p, rows),
             }
         }
     });

@@ -1,10 +1,8 @@
-//! The portable kernels: the fallback where the CPU has no AVX2, and the plain statement of
-//! what the SIMD ones compute (the f32 kernels multiply by the exact dequantized weights; the
-//! int8 ones sum `scale_w * scale_x * (levels . levels) + offset_w * sum(x)` per 16 weights).
+//! The portable exact kernel: the fallback where the CPU has no AVX2, and the plain statement
+//! of what the SIMD ones compute (the exact dequantized weights times x, in f32).
 
 use std::ops::Range;
 
-use crate::act::Acts;
 use crate::format::{decode_block, Group};
 use crate::{Problem, Weights};
 
@@ -38,37 +36,6 @@ pub(crate) unsafe fn gemv_f32(p: &Problem<'_>, rows: Range<usize>) {
             let x = &p.x[r * cols..][..cols];
             let dot: f32 = weights.iter().zip(x).map(|(w, x)| w * x).sum();
             *p.y.0.add(r * p.ld_y + o) = dot;
-        }
-    }
-}
-
-/// SAFETY: as `gemv_f32`; `acts` quantizes `p.x`.
-pub(crate) unsafe fn gemv_int8(p: &Problem<'_>, acts: &Acts, rows: Range<usize>) {
-    let cols = p.w.cols;
-    let signed = p.w.qtype.is_signed();
-    let mut groups = vec![Group::default(); cols / 32];
-    for o in rows {
-        row_groups(&p.w, o, &mut groups);
-        for r in 0..p.n {
-            let xq = &acts.q[r * cols..][..cols];
-            let mut acc = 0f32;
-            for (g, group) in groups.iter().enumerate() {
-                let x_scale = acts.scale[r * cols / 32 + g];
-                for h in 0..2 {
-                    let mut dot = 0i32;
-                    for i in 16 * h..16 * h + 16 {
-                        let q = if signed {
-                            i32::from(group.q[i] as i8)
-                        } else {
-                            i32::from(group.q[i])
-                        };
-                        dot += q * i32::from(xq[32 * g + i]);
-                    }
-                    let sum = acts.sum16[r * cols / 16 + 2 * g + h];
-                    acc += group.scale[h] * x_scale * dot as f32 + group.offset[h] * sum;
-                }
-            }
-            *p.y.0.add(r * p.ld_y + o) = acc;
         }
     }
 }

@@ -5,16 +5,15 @@
 //! Tolerances are error bounds, not fudge: an f32 dot product of `k` terms, summed in any
 //! order, is within `gamma_k * sum |term|` of the exact one (`gamma_k = k u / (1 - k u)`,
 //! `u = 2^-24`), where a term is `(|scale * q| + |offset|) * |x|` (the kernels may add the
-//! scale part and the offset part apart). The int8 kernels are exact products with the
-//! activations rounded per 32 values (`act`), so they meet that bound against the float64
-//! product with the rounded activations, and the float64 product with the true ones within
-//! `sum |w| * |x - x_rounded|` more.
+//! scale part and the offset part apart). The panel kernels are exact products with the
+//! activations rounded per 32 values (`panel_act`), so they meet that bound against the
+//! float64 product with the rounded activations (tests/panel.rs), and the float64 product
+//! with the true ones within `sum |w| * |x - x_rounded|` more.
 
 mod format;
 mod kernels;
 mod panel;
 
-use crate::act::Acts;
 use crate::format::{decode_block, Group, QType};
 
 pub(crate) struct Rng(u64);
@@ -81,9 +80,8 @@ pub(crate) fn row_groups(qtype: QType, row: &[u8], cols: usize) -> Vec<Group> {
     groups
 }
 
-/// The float64 reference: `exact[r][o]`, the exact product (with the rounded activations
-/// when `acts` is given); `bound[r][o]`, the f32 error bound of the module doc (plus the
-/// rounding of the activations when `rounding_of` is given, against the true ones).
+/// The float64 reference: `exact[r][o]`, the exact product; `bound[r][o]`, the f32 error
+/// bound of the module doc.
 pub(crate) struct Reference {
     pub exact: Vec<f64>,
     pub bound: Vec<f64>,
@@ -96,7 +94,6 @@ pub(crate) fn reference(
     cols: usize,
     x: &[f32],
     n: usize,
-    acts: Option<&Acts>,
 ) -> Reference {
     let signed = qtype.is_signed();
     let row_bytes = qtype.row_bytes(cols);
@@ -114,12 +111,7 @@ pub(crate) fn reference(
             for (g, group) in groups.iter().enumerate() {
                 for i in 0..32 {
                     let c = 32 * g + i;
-                    let xv = match acts {
-                        Some(a) => {
-                            f64::from(a.scale[(r * cols + c) / 32]) * f64::from(a.q[r * cols + c])
-                        }
-                        None => f64::from(x[r * cols + c]),
-                    };
+                    let xv = f64::from(x[r * cols + c]);
                     let q = if signed {
                         f64::from(group.q[i] as i8)
                     } else {

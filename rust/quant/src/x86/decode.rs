@@ -12,11 +12,6 @@ pub(crate) trait Fmt {
     const LEN: usize = Self::QTYPE.block_len();
     const BYTES: usize = Self::QTYPE.block_bytes();
     const SIGNED: bool = Self::QTYPE.is_signed();
-    /// A scale per 16 weights (Q6_K); else the two halves of a group share one.
-    const HALVES: bool = false;
-    /// `c` when every offset is `-c * scale` (the weight `scale * (q - c)`), which the integer
-    /// kernels fold into their sums; 0 for a free offset (or signed levels, offset 0).
-    const ZERO: i32 = 0;
 
     /// `f(group, levels, scale, offset)` for each group of the block at `b`, in order.
     /// SAFETY: the CPU has AVX2, FMA and F16C; `BYTES` bytes are readable at `b`.
@@ -81,7 +76,6 @@ impl Fmt for Q8_0 {
 
 impl Fmt for Q4_0 {
     const QTYPE: QType = QType::Q4_0;
-    const ZERO: i32 = 8;
     #[inline(always)]
     unsafe fn decode(b: *const u8, mut f: impl FnMut(usize, __m256i, [f32; 2], [f32; 2])) {
         let d = half(b);
@@ -99,7 +93,6 @@ impl Fmt for Q4_1 {
 
 impl Fmt for Q5_0 {
     const QTYPE: QType = QType::Q5_0;
-    const ZERO: i32 = 16;
     #[inline(always)]
     unsafe fn decode(b: *const u8, mut f: impl FnMut(usize, __m256i, [f32; 2], [f32; 2])) {
         let d = half(b);
@@ -203,8 +196,6 @@ impl Fmt for Q5K {
 
 impl Fmt for Q6K {
     const QTYPE: QType = QType::Q6K;
-    const HALVES: bool = true;
-    const ZERO: i32 = 32;
     #[inline(always)]
     unsafe fn decode(b: *const u8, mut f: impl FnMut(usize, __m256i, [f32; 2], [f32; 2])) {
         let d = half(b.add(208));

@@ -14,9 +14,8 @@ use std::ops::Range;
 
 use decode::{with_fmt, Fmt};
 use kfmt::{with_kfmt, KFmt};
-use simd::{Avx2, Avx512, F32Lanes, IntLanes, Madd, Vnni};
+use simd::{Avx2, Avx512, F32Lanes};
 
-use crate::act::Acts;
 use crate::panel::Panels;
 use crate::panel_act::{PanelActs, Precision};
 use crate::run::TILE_ROWS;
@@ -105,16 +104,6 @@ avx512! { fn gemv_f32_k512<F: KFmt; const N: usize>(p: &Problem<'_>, rows: Range
 avx2! { fn gemv_f32_256<F: Fmt; const N: usize>(p: &Problem<'_>, rows: Range<usize>, x0: usize) {
     gemv::gemv_f32::<Avx2, F, N>(p, rows, x0)
 }}
-avx512! { fn gemv_int8_512<F: Fmt; const N: usize>(p: &Problem<'_>, a: &Acts, rows: Range<usize>, x0: usize) {
-    gemv::gemv_int8::<Vnni, F, N>(p, a, rows, x0)
-}}
-avx512! { fn gemv_int8_k512<F: KFmt; const N: usize>(p: &Problem<'_>, a: &Acts, rows: Range<usize>, x0: usize) {
-    gemv_k::gemv_int8_k::<F, N>(p, a, rows, x0)
-}}
-avx2! { fn gemv_int8_256<F: Fmt; const N: usize>(p: &Problem<'_>, a: &Acts, rows: Range<usize>, x0: usize) {
-    gemv::gemv_int8::<Madd, F, N>(p, a, rows, x0)
-}}
-
 /// SAFETY: `p` checked by `matmul`, `isa` available (AVX2 or AVX-512), no other thread
 /// writes columns `rows` of y.
 pub(crate) unsafe fn gemv_f32(p: &Problem<'_>, rows: Range<usize>, isa: Isa) {
@@ -129,77 +118,6 @@ pub(crate) unsafe fn gemv_f32(p: &Problem<'_>, rows: Range<usize>, isa: Isa) {
         }
         x0 += n;
     }
-}
-
-/// SAFETY: as `gemv_f32`; `acts` quantizes `p.x`.
-pub(crate) unsafe fn gemv_int8(p: &Problem<'_>, acts: &Acts, rows: Range<usize>, isa: Isa) {
-    let mut x0 = 0;
-    while x0 < p.n {
-        let n = (p.n - x0).min(gemv::MAX_N);
-        if isa == Isa::Avx512 {
-            with_kfmt!(p.w.qtype, F => with_n!(n, N => gemv_int8_k512::<F, N>(p, acts, rows.clone(), x0)),
-                _ => with_fmt!(p.w.qtype, F => with_n!(n, N => gemv_int8_512::<F, N>(p, acts, rows.clone(), x0))))
-        } else {
-            with_fmt!(p.w.qtype, F => with_n!(n, N => gemv_int8_256::<F, N>(p, acts, rows.clone(), x0)));
-        }
-        x0 += n;
-    }
-}
-
-/// The tile's rows of x `MR` at a time, the rest in one smaller block.
-#[inline(always)]
-unsafe fn int8_rows<L: IntLanes, const HALVES: bool, const MR: usize>(
-    p: &Problem<'_>,
-    tile: &gemm::Int8Tile,
-    acts: &Acts,
-    out: &mut [f32],
-) {
-    let mut x0 = 0;
-    while x0 + MR <= p.n {
-        gemm::tile_int8::<L, HALVES, MR>(p, tile, acts, x0, out);
-        x0 += MR;
-    }
-    with_n!(p.n - x0, N => {
-        if N < MR && x0 < p.n {
-            gemm::tile_int8::<L, HALVES, N>(p, tile, acts, x0, out)
-        }
-    });
-}
-
-#[inline(always)]
-unsafe fn gemm_int8_body<L: IntLanes, F: Fmt, const MR: usize>(
-    p: &Problem<'_>,
-    acts: &Acts,
-    rows: Range<usize>,
-) {
-    let mut out = vec![0f32; p.n * TILE_ROWS];
-    // The thread's own tile, by pointer: a closure (`with_borrow_mut`) would not be inlined
-    // into this function and would run without its target features (10x slower).
-    // SAFETY: nothing else on this thread touches the tile during the call (no re-entry).
-    let tile = &mut *gemm::TILE.with(|t| t.as_ptr());
-    gemm::pack_int8::<L, F>(p, rows.clone(), tile);
-    if F::HALVES {
-        int8_rows::<L, true, MR>(p, tile, acts, &mut out);
-    } else {
-        int8_rows::<L, false, MR>(p, tile, acts, &mut out);
-    }
-    gemm::write_out(p, rows, &out);
-}
-
-avx512! { fn gemm_int8_512<F: Fmt;>(p: &Problem<'_>, acts: &Acts, rows: Range<usize>) {
-    gemm_int8_body::<Vnni, F, 4>(p, acts, rows)
-}}
-avx2! { fn gemm_int8_256<F: Fmt;>(p: &Problem<'_>, acts: &Acts, rows: Range<usize>) {
-    gemm_int8_body::<Madd, F, 2>(p, acts, rows)
-}}
-
-/// SAFETY: as `gemv_int8`; `rows` is one tile (at most 32 rows).
-pub(crate) unsafe fn gemm_int8(p: &Problem<'_>, acts: &Acts, rows: Range<usize>, isa: Isa) {
-    with_fmt!(p.w.qtype, F => if isa == Isa::Avx512 {
-        gemm_int8_512::<F>(p, acts, rows)
-    } else {
-        gemm_int8_256::<F>(p, acts, rows)
-    })
 }
 
 #[inline(always)]
@@ -233,7 +151,7 @@ avx2! { fn gemm_f32_256<F: Fmt;>(p: &Problem<'_>, rows: Range<usize>) {
     gemm_f32_body::<Avx2, F, 2>(p, rows)
 }}
 
-/// SAFETY: as `gemm_int8`.
+/// SAFETY: as `gemv_f32`; `rows` is one tile (at most 32 rows).
 pub(crate) unsafe fn gemm_f32(p: &Problem<'_>, rows: Range<usize>, isa: Isa) {
     with_fmt!(p.w.qtype, F => if isa == Isa::Avx512 {
         gemm_f32_512::<F>(p, rows)
