@@ -7,6 +7,7 @@ mod gemm;
 mod gemv;
 mod gemv_k;
 mod kfmt;
+mod lanes;
 mod panel;
 mod simd;
 
