@@ -164,6 +164,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--kv-cache-dtype", default="auto", help="auto, bf16, fp8_e4m3 or fp8_e5m2")
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
     parser.add_argument("--page-size", type=int, default=1)
+    parser.add_argument(
+        "--quant-kernel", default="int16", help="packed GGUF kernels: int16, int8, exact"
+    )
     parser.add_argument("--attention-backend", default=None, help="cpu, torch_native or triton")
     parser.add_argument("--warmup", type=int, default=1, help="untimed warm-up runs")
     parser.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
@@ -223,6 +226,7 @@ def _bench_rank(args: argparse.Namespace, tp_rank: int) -> dict:
         tp_size=args.tp_size,
         tp_rank=tp_rank,
         dist_init_addr=args.dist_init_addr,
+        quant_kernel=args.quant_kernel,
     )
     comm = _time_collectives(runner) if args.tp_size > 1 else None
     try:
