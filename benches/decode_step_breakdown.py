@@ -27,6 +27,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import torch
+
 from sglite.attention import cpu_kernel
 from sglite.bench_one_batch import run_one_batch
 from sglite.layers import (
@@ -80,7 +82,10 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="checkpoint (default: the demo model)")
     parser.add_argument("--quant-kernel", default="int16", help="packed .gguf kernels")
     parser.add_argument("--kv-cache-dtype", default="auto")
+    parser.add_argument("--threads", type=int, default=None, help="torch's threads (default: all)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.torch_ops:
         cpu_ops._native = lambda: None
     per_op = args.per_op or args.torch_ops or args.own_threads
