@@ -26,6 +26,7 @@ pub(crate) trait Lanes: Copy {
     unsafe fn add32(a: Self::I, b: Self::I) -> Self::I;
     /// `128 * hi + lo`.
     unsafe fn combine(hi: Self::I, lo: Self::I) -> Self::I;
+
     unsafe fn sub32(a: Self::I, v: i32) -> Self::I;
     unsafe fn fzero() -> Self::F;
     unsafe fn cvt(a: Self::I) -> Self::F;
@@ -99,6 +100,7 @@ impl Lanes for Zmm {
     unsafe fn combine(hi: __m512i, lo: __m512i) -> __m512i {
         _mm512_add_epi32(_mm512_slli_epi32::<7>(hi), lo)
     }
+
     #[inline(always)]
     unsafe fn sub32(a: __m512i, v: i32) -> __m512i {
         _mm512_sub_epi32(a, _mm512_set1_epi32(v))
@@ -247,6 +249,7 @@ impl<const VNNI: bool> Lanes for Ymm<VNNI> {
     unsafe fn combine(hi: Self::I, lo: Self::I) -> Self::I {
         pair!(|h| _mm256_add_epi32(_mm256_slli_epi32::<7>(hi[h]), lo[h]))
     }
+
     #[inline(always)]
     unsafe fn sub32(a: Self::I, v: i32) -> Self::I {
         pair!(|h| _mm256_sub_epi32(a[h], _mm256_set1_epi32(v)))

@@ -166,11 +166,12 @@ pub(crate) unsafe fn dequantize_row(w: &Weights<'_>, r: usize, out: &mut [f32]) 
     with_fmt!(w.qtype, F => decode::dequantize_row::<F>(w, r, out))
 }
 
-/// Rows of x per pass of the panel kernels.
-pub(crate) const PANEL_MAX_N: usize = 4;
+/// Rows of x per pass of the panel kernels: 8 while there are (the chunk-major kernel keeps
+/// one accumulator per row), then 4, then the rest.
+pub(crate) const PANEL_MAX_N: usize = 8;
 
-/// Calls `$body` with `$N` = `$n` in 1..=4 (`$n` is at most 4).
-macro_rules! with_n4 {
+/// Calls `$body` with `$N` = `$n`, one of 1, 2, 3, 4 and 8.
+macro_rules! with_n_panel {
     ($n:expr, $N:ident => $body:expr) => {
         match $n {
             1 => {
@@ -185,8 +186,12 @@ macro_rules! with_n4 {
                 const $N: usize = 3;
                 $body
             }
-            _ => {
+            4 => {
                 const $N: usize = 4;
+                $body
+            }
+            _ => {
+                const $N: usize = 8;
                 $body
             }
         }
@@ -233,9 +238,12 @@ pub(crate) unsafe fn panel_task(
     let wide = a.precision == Precision::Int16;
     let mut x0 = 0;
     while x0 < n {
-        let rows = (n - x0).min(PANEL_MAX_N);
+        let rows = match n - x0 {
+            left if left >= PANEL_MAX_N => PANEL_MAX_N,
+            left => left.min(4),
+        };
         let p = panels.clone();
-        panel::with_pfmt!(w.qtype, F => with_n4!(rows, N => match (isa, wide) {
+        panel::with_pfmt!(w.qtype, F => with_n_panel!(rows, N => match (isa, wide) {
             (Isa::Avx512, true) => panels_512::<F, N, true>(w, a, p, x0, y, ld_y),
             (Isa::Avx512, false) => panels_512::<F, N, false>(w, a, p, x0, y, ld_y),
             (Isa::Avx2Vnni, true) => panels_vnni256::<F, N, true>(w, a, p, x0, y, ld_y),

@@ -173,37 +173,38 @@ unsafe fn chunk_major<L: Lanes, F: PFmt, const N: usize, const WIDE: bool>(
 ) -> [[L::I; 2]; N] {
     let halves = F::QTYPE == QType::Q6K;
     let (lo, hi) = (a.lo.as_ptr().add(at), a.hi.as_ptr().wrapping_add(at));
-    let mut s_lo = [[L::zero(); 2]; N];
+    let dot = dot_levels::<L, F>;
+    let mut out = [[L::zero(); 2]; N];
     let mut s_hi = [[L::zero(); 2]; N];
     for (c, v) in ch.iter().enumerate() {
         let h = if halves { c / 4 } else { 0 };
         for r in 0..N {
             let off = r * cols + 4 * c;
-            s_lo[r][h] = if F::QTYPE == QType::Q8_0 {
-                L::dot_full(s_lo[r][h], *v, lo.add(off))
-            } else {
-                L::dot(s_lo[r][h], *v, lo.add(off))
-            };
+            out[r][h] = dot(out[r][h], *v, lo.add(off));
             if WIDE {
-                s_hi[r][h] = if F::QTYPE == QType::Q8_0 {
-                    L::dot_full(s_hi[r][h], *v, hi.add(off))
-                } else {
-                    L::dot(s_hi[r][h], *v, hi.add(off))
-                };
+                s_hi[r][h] = dot(s_hi[r][h], *v, hi.add(off));
             }
         }
     }
-    let mut out = [[L::zero(); 2]; N];
-    for r in 0..N {
-        for h in 0..2 {
-            out[r][h] = if WIDE {
-                L::combine(s_hi[r][h], s_lo[r][h])
-            } else {
-                s_lo[r][h]
-            };
+    if WIDE {
+        for r in 0..N {
+            for h in 0..2 {
+                out[r][h] = L::combine(s_hi[r][h], out[r][h]);
+            }
         }
     }
     out
+}
+
+/// `L::dot`, or `dot_full` for Q8_0's 8-bit levels (a function, not a closure: a closure
+/// does not get the caller's target features and its intrinsics would stay calls).
+#[inline(always)]
+unsafe fn dot_levels<L: Lanes, F: PFmt>(acc: L::I, v: L::I, x: *const i8) -> L::I {
+    if F::QTYPE == QType::Q8_0 {
+        L::dot_full(acc, v, x)
+    } else {
+        L::dot(acc, v, x)
+    }
 }
 
 /// How far ahead of the block being read the kernel prefetches (past a panel's end: the next
