@@ -113,10 +113,14 @@ def _linears(layer) -> list[tuple[str, torch.nn.Module]]:
 
 def build(runner) -> NativeDecodeStep | None:
     """The native step for this runner, or None (logged either way)."""
-    from sglite import _core
-
+    try:
+        from sglite import _core
+    except ImportError:
+        _core = None
     reason = unsupported_reason(runner)
-    if reason is None and not hasattr(_core, "DecodeStep"):
+    if reason is None and _core is None:
+        reason = "the native module sglite._core is not built"
+    elif reason is None and not hasattr(_core, "DecodeStep"):
         reason = "the native module lacks DecodeStep (rebuild it)"
     if reason is not None:
         logger.info("decode step: per-op path (the native step does not take %s)", reason)
