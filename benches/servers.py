@@ -90,8 +90,23 @@ class EngineSpec:
                 *self.args]  # fmt: skip
 
 
-def parse_llama_args(text: str) -> tuple[str, ...]:
-    return tuple(text.split())
+def engines(
+    sglite_args: str, llama_server: str | None, llama_args: str, sglite_extra: str = ""
+) -> list[EngineSpec]:
+    """sglite (with `sglite_args`, default none: its defaults), a second sglite column with
+    `sglite_extra` when given, llama-server when its binary is given."""
+    out = [EngineSpec("sglite", "sglite", tuple(sglite_args.split()))]
+    if sglite_extra:
+        out.append(EngineSpec(f"sglite {sglite_extra}", "sglite", tuple(sglite_extra.split())))
+    if llama_server:
+        out.append(EngineSpec("llama-server", "llama", tuple(llama_args.split()), llama_server))
+    return out
+
+
+def alternated(specs: Sequence[EngineSpec], rounds: int) -> list[tuple[int, EngineSpec]]:
+    """(round, engine) in run order: each round reverses the previous round's order, so a
+    drift of the machine (heat, page cache, a neighbour) falls on every engine alike."""
+    return [(r, s) for r in range(rounds) for s in (specs if r % 2 == 0 else specs[::-1])]
 
 
 class ServerProcess:

@@ -126,23 +126,17 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    engines = [EngineSpec("sglite", "sglite", tuple(args.sglite_args.split()))]
-    if args.llama_server:
-        engines.append(
-            EngineSpec("llama-server", "llama", tuple(args.llama_args.split()), args.llama_server)
-        )
+    engines = servers.engines(args.sglite_args, args.llama_server, args.llama_args)
     runs: list[dict[str, Any]] = []
     for model in args.models:
-        for r in range(args.rounds):
-            for spec in engines if r % 2 == 0 else engines[::-1]:
-                start = time.perf_counter()
-                result = measure(spec, model, args)
-                runs.append({"model": str(model), "engine": spec.name, "round": r,
-                             "result": result})  # fmt: skip
-                b1 = result.get(f"batch{args.batches[0]}", {})
-                print(f"{model.name} round {r} {spec.name}: batch {args.batches[0]} ITL p50 "
-                      f"{b1.get('itl_p50_ms', float('nan')):.1f} ms "
-                      f"({time.perf_counter() - start:.0f} s)", flush=True)  # fmt: skip
+        for r, spec in servers.alternated(engines, args.rounds):
+            start = time.perf_counter()
+            result = measure(spec, model, args)
+            runs.append({"model": str(model), "engine": spec.name, "round": r, "result": result})
+            b1 = result[f"batch{args.batches[0]}"]
+            print(f"{model.name} round {r} {spec.name}: batch {args.batches[0]} ITL p50 "
+                  f"{b1['itl_p50_ms']:.1f} ms ({time.perf_counter() - start:.0f} s)",
+                  flush=True)  # fmt: skip
         names = [e.name for e in engines]
         print(f"\n### {model.name}\n")
         print(table([x for x in runs if x["model"] == str(model)], names, args.batches) + "\n")
