@@ -228,6 +228,21 @@ def write(
     return types
 
 
+def cached(
+    shape: str, file_type: str, folder: Path, layers: int | None = None
+) -> tuple[Path, bool]:
+    """`{shape}.{type}[.L{layers}].gguf` in `folder`, written first when it is missing;
+    (path, whether this call wrote it)."""
+    path = folder / f"{shape}.{file_type}{f'.L{layers}' if layers else ''}.gguf"
+    made = not path.is_file()
+    if made:
+        start = time.perf_counter()
+        write(shape, file_type, path, layers)
+        print(f"made {path} ({path.stat().st_size / 2**30:.2f} GiB) in "
+              f"{time.perf_counter() - start:.0f} s", flush=True)  # fmt: skip
+    return path, made
+
+
 def type_counts(types: dict[str, str]) -> str:
     counts: dict[str, int] = {}
     for t in types.values():

