@@ -1,5 +1,6 @@
-"""Server processes and the streaming client that benches/single_user.py and
-benches/quant_matrix.py share: start a server (sglite or llama-server) on a GGUF, wait until
+"""The server processes and the streaming client of single_user.py and quant_matrix.py.
+
+Start a server (sglite or llama-server) on a GGUF, wait until
 it is healthy, sample the RSS of its whole process tree, stop it; send seeded token-id
 prompts through streaming `/v1/completions` and summarize TTFT, ITL and throughput.
 
@@ -12,6 +13,7 @@ Measurement rules (the same for both engines):
   that carry text, so a chunk holding k tokens (a partial UTF-8 character held back, a
   batched flush) counts as one gap; the decode rate is per stream
   (output tokens - 1) / (end - first token), from the server's usage count;
+- the client's own work (the RSS sampler reads /proc twice a second) is the same for both;
 - the RSS of a server is the sum of VmRSS over the process and all its descendants (what `ps`
   shows summed), sampled every `interval` seconds from start to stop; the peak is kept.
 """
@@ -286,7 +288,8 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 def summarize(results: Sequence[RequestResult], wall: float) -> dict[str, float]:
     """ms for latencies, tokens/s for rates: TTFT p50, ITL p50/p99, the per-stream decode
-    rate (median), output tok/s over the wall time, the mean prompt length."""
+    rate (median), output tok/s over the wall time, the mean prompt length, and tokens per
+    text chunk (1.0 when every token came alone, so that ITL is per token)."""
     itls = [x for r in results for x in r.itls]
     decode = [
         (r.output_len - 1) / (r.end - r.chunk_times[0])
@@ -300,6 +303,8 @@ def summarize(results: Sequence[RequestResult], wall: float) -> dict[str, float]
         "decode_tok_s": statistics.median(decode) if decode else float("nan"),
         "output_tok_s": sum(r.output_len for r in results) / wall if wall else float("nan"),
         "prompt_len": statistics.fmean(r.prompt_len for r in results),
+        "tokens_per_chunk": sum(r.output_len for r in results)
+        / max(1, sum(len(r.chunk_times) for r in results)),
         "num_requests": len(results),
     }
 
