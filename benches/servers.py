@@ -25,6 +25,7 @@ import json
 import os
 import random
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -111,11 +112,22 @@ def alternated(specs: Sequence[EngineSpec], rounds: int) -> list[tuple[int, Engi
     return [(r, s) for r in range(rounds) for s in (specs if r % 2 == 0 else specs[::-1])]
 
 
+def check_port_free(port: int) -> None:
+    """SystemExit when something listens on `port` (its /health would answer for ours)."""
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError as e:
+            raise SystemExit(f"port {port} is in use ({e}); pass another --port") from None
+
+
 class ServerProcess:
     """One server: started in its own session (so stopping it stops its children), its
     output in `log`; `peak_rss` is sampled by a thread from start to stop."""
 
     def __init__(self, spec: EngineSpec, model: Path, port: int, log: Path, interval: float):
+        check_port_free(port)
         self.spec, self.port, self.log, self.interval = spec, port, log, interval
         self.base_url = f"http://127.0.0.1:{port}"
         log.parent.mkdir(parents=True, exist_ok=True)
