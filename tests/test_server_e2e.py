@@ -17,7 +17,7 @@ import openai
 import pytest
 import torch
 
-from fixtures.serving import start_server
+from fixtures.serving import descendants, start_server
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
 
@@ -293,6 +293,21 @@ def test_server_info_and_metrics(tiny):
     metrics = httpx.get(tiny.url + "/metrics", timeout=30).text
     assert 'sglang:time_to_first_token_seconds_count{model_name="m"}' in metrics
     assert "sglang:generation_tokens_total" in metrics
+
+
+def _maps_torch(pid: int) -> bool:
+    with open(f"/proc/{pid}/maps") as maps:
+        return any("libtorch" in line for line in maps)
+
+
+def test_only_the_scheduler_loads_torch(tiny):
+    """The main process and the detokenizer never load torch (~0.4 GB of RSS each), after
+    serving requests too; the scheduler does."""
+    assert httpx.post(tiny.url + "/generate", json={"text": "hi"}, timeout=60).status_code == 200
+    children = descendants(tiny.proc.pid)
+    with_torch = [pid for pid in [tiny.proc.pid, *children] if _maps_torch(pid)]
+    assert len(children) == 2 and len(with_torch) == 1, (children, with_torch)
+    assert tiny.proc.pid not in with_torch
 
 
 # ---------------------------------------------------------------------- SmolLM2

@@ -92,7 +92,10 @@ class ServerArgs(FrontDoorArgs):
     )
     page_size: int = _f(1, "Tokens per KV page (the unit of prefix matching and allocation).")
     max_total_tokens: int | None = _f(
-        None, "KV pool size in tokens (overrides --mem-fraction-static)."
+        None,
+        "KV pool size in tokens (overrides --mem-fraction-static). Default on CPU: "
+        "max(2 x the context length, 16384), at most min(2 GiB, RAM/4); on CUDA: what "
+        "--mem-fraction-static leaves.",
     )
     mem_fraction_static: float | None = _f(
         None, "Fraction of GPU memory for weights + KV pool (CUDA; default 0.85)."

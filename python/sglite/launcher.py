@@ -121,7 +121,7 @@ def check_tp_size_early(server_args: ServerArgs) -> None:
     checks again when it reads the model config; this only reads config.json)."""
     import json
 
-    from sglite.distributed import check_tp_size
+    from sglite.tp_sizes import check_tp_size
 
     config = Path(server_args.model_path or "") / "config.json"
     if server_args.tp_size == 1 or not config.is_file():

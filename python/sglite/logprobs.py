@@ -15,16 +15,21 @@ positions asked for (`ForwardBatch.logits_index`).
 
 Cost: nothing runs for a batch in which no row asks; rows that ask get a log-softmax over
 the vocabulary on the device and only the few numbers asked for go to the host.
+
+Only `compute_logprobs` (the scheduler's) needs torch; it imports it when called, so the
+main process and the detokenizer, which use the records here, never load torch.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit on top_logprobs; SGLang has none
 
@@ -152,6 +157,8 @@ def compute_logprobs(
     """Log-probs of a batch from its raw logits. `logits` has one row per request (the
     sampling rows) followed by the prompt rows of `logits_rows`, in that order; `tokens`
     are the sampled tokens `[B]`."""
+    import torch  # here, not at the top: the main process and the detokenizer import this
+
     bs = len(specs)
     out_rows = [i for i, s in enumerate(specs) if s is not None and s.output]
     rows: list[torch.Tensor] = []

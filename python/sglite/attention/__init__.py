@@ -35,9 +35,19 @@ BACKENDS = {
 def default_backend(device_type: str) -> str:
     if device_type == "cuda":
         return "triton"
-    from sglite.attention.cpu_kernel import unavailable_reason
+    return "cpu" if cpu_kernel_unavailable_reason() is None else "torch_native"
 
-    return "cpu" if unavailable_reason() is None else "torch_native"
+
+def cpu_kernel_unavailable_reason() -> str | None:
+    """None when the native decode-attention kernel can run here, else why not (no torch
+    import: the main process calls this to pick the default backend)."""
+    try:
+        from sglite import _core
+    except ImportError as e:
+        return f"the native module sglite._core does not import ({e})"
+    if not hasattr(_core, "DecodePlan"):
+        return "the native module sglite._core is older than this package; reinstall it"
+    return None
 
 
 def create_attention_backend(name: str, runner: ModelRunner) -> AttentionBackend:

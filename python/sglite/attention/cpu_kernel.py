@@ -25,6 +25,9 @@ import os
 
 import torch
 
+# torch-free, so the main process can pick the default backend without importing torch
+from sglite.attention import cpu_kernel_unavailable_reason as unavailable_reason  # noqa: F401
+
 logger = logging.getLogger(__name__)
 
 _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}  # of q and the output
@@ -34,17 +37,6 @@ _KV_DTYPES = {
     torch.float8_e4m3fn: "float8_e4m3fn",
     torch.float8_e5m2: "float8_e5m2",
 }
-
-
-def unavailable_reason() -> str | None:
-    """None when the kernel can run here, else why not."""
-    try:
-        from sglite import _core
-    except ImportError as e:
-        return f"the native module sglite._core does not import ({e})"
-    if not hasattr(_core, "DecodePlan"):
-        return "the native module sglite._core is older than this package; reinstall it"
-    return None
 
 
 @functools.cache

@@ -25,11 +25,16 @@ use; `KVPool` here, `MLAKVPool` in mla_pool.py):
   device)` builds an empty pool of the same layout (the host tier's).
 
 A model declares its layout (`kv_layout()`, see sglite.models.causal_lm); the runner sizes
-and builds the pool from it.
+and builds the pool from it (the CPU default: sglite.mem_cache.kv_sizing).
+
+Memory: CPU buffers are anonymous mappings (`untouched_zeros`): zero by the kernel's
+guarantee and committed page by page on first write, so a pool costs RSS for the tokens
+written, not its capacity (`torch.zeros` would write every byte at start-up).
 """
 
 from __future__ import annotations
 
+import mmap
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -38,6 +43,27 @@ import torch
 
 from sglite.layers import cpu_ops
 from sglite.mem_cache.kv_dtype import copy_rows, to_store
+from sglite.mem_cache.kv_sizing import kv_slots_for_budget as kv_slots_for_budget
+
+# below this, a mapping of its own is not worth a system call (and a page-rounded tail)
+MAPPED_MIN_BYTES = 1 << 20
+
+
+def untouched_zeros(
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    device: torch.device,
+    pin_memory: bool = False,
+) -> torch.Tensor:
+    """`torch.zeros(shape)` whose pages a CPU tensor commits only when written: an anonymous
+    mapping of its own (zero-filled by the kernel on first touch). CUDA, pinned and small
+    buffers are plain `torch.zeros`."""
+    nbytes = int(np.prod(shape)) * dtype.itemsize
+    if device.type != "cpu" or pin_memory or nbytes < MAPPED_MIN_BYTES:
+        return torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory)
+    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    # frombuffer keeps `region` alive; the mapping goes when the last view of it does
+    return torch.frombuffer(region, dtype=torch.uint8).view(dtype).view(shape)
 
 
 class ReqToTokenPool:
@@ -56,9 +82,7 @@ class ReqToTokenPool:
         self.size = size
         self.max_context_len = max_context_len
         self.device = torch.device(device)
-        self.req_to_token = torch.zeros(
-            (size + 1, max_context_len), dtype=torch.int32, device=self.device
-        )
+        self.req_to_token = untouched_zeros((size + 1, max_context_len), torch.int32, self.device)
         # Pop from the tail: rows 1, 2, ... come out first.
         self._free_rows = list(range(size, 0, -1))
         self._is_free = np.ones(size + 1, dtype=bool)
@@ -173,7 +197,7 @@ class KVPool:
         shape = (num_slots + page_size, num_kv_heads, head_dim)
 
         def buf() -> torch.Tensor:
-            return torch.zeros(shape, dtype=dtype, device=self.device, pin_memory=pin_memory)
+            return untouched_zeros(shape, dtype, self.device, pin_memory)
 
         self.k_buffer = [buf() for _ in range(num_layers)]
         self.v_buffer = [buf() for _ in range(num_layers)]
@@ -206,9 +230,3 @@ class KVPool:
 
     def memory_bytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.buffers)
-
-
-def kv_slots_for_budget(budget_bytes: int, bytes_per_slot: int, page_size: int) -> int:
-    """How many slots (a multiple of page_size, one page kept for padding) fit in a budget."""
-    num_slots = budget_bytes // bytes_per_slot - page_size
-    return max(0, num_slots // page_size * page_size)

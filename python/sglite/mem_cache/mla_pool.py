@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from sglite.mem_cache.kv_dtype import copy_rows, to_store
+from sglite.mem_cache.memory_pool import untouched_zeros
 
 
 @dataclass(frozen=True)
@@ -99,8 +100,7 @@ class MLAKVPool:
         self.device = torch.device(device)
         shape = (num_slots + page_size, 1, layout.row_dim)
         self.kv_buffer = [
-            torch.zeros(shape, dtype=dtype, device=self.device, pin_memory=pin_memory)
-            for _ in range(self.num_layers)
+            untouched_zeros(shape, dtype, self.device, pin_memory) for _ in range(self.num_layers)
         ]
         self.k_buffer = self.kv_buffer
         self.v_buffer = [b[..., : layout.kv_lora_rank] for b in self.kv_buffer]

@@ -5,7 +5,8 @@ oneDNN on CPU), size the KV pool from the model's `kv_layout()` (per-head K/V, o
 latent rows) in `kv_cache_dtype` (default: the model's dtype; sglite.mem_cache.kv_dtype; the
 log line gives its dtype and bytes per token, for MLA next to what MHA would need, and for
 another dtype than the model's how many tokens the same memory holds in the model's)
-to `max_total_tokens`, or on CUDA `mem_fraction_static` of the GPU memory, create the tree
+to `max_total_tokens`, or on CUDA `mem_fraction_static` of the GPU memory, or on CPU from
+the context length (sglite.mem_cache.kv_sizing), create the tree
 core's `PageAllocator` over those slots, the `ReqToTokenPool`, and the attention backend; on
 CUDA, last, capture the decode CUDA graphs (`cuda_graph_runner.py`; `disable_cuda_graph`,
 `cuda_graph_max_bs`, default min(160, max_running_requests)). On CPU there are no graphs
@@ -47,6 +48,7 @@ from sglite.distributed import (
     local_head_counts,
 )
 from sglite.mem_cache.kv_dtype import resolve_kv_cache_dtype
+from sglite.mem_cache.kv_sizing import default_cpu_kv_size
 from sglite.mem_cache.memory_pool import ReqToTokenPool, kv_slots_for_budget
 from sglite.model_executor import native_step
 from sglite.model_executor.cuda_graph_runner import (
@@ -72,9 +74,6 @@ DTYPES = {
     "half": torch.float16,
 }
 DEFAULT_MEM_FRACTION_STATIC = 0.88
-# CPU without --max-total-tokens: at most this many bytes of KV, and a quarter of the RAM.
-CPU_KV_BUDGET_BYTES = 2 << 30
-MAX_DEFAULT_SLOTS = 1 << 20
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
@@ -246,8 +245,9 @@ class ModelRunner:
             num_slots = kv_slots_for_budget(budget, per_slot, ps)
         else:
             ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-            budget = min(CPU_KV_BUDGET_BYTES, ram // 4)
-            num_slots = min(kv_slots_for_budget(budget, per_slot, ps), MAX_DEFAULT_SLOTS)
+            size = default_cpu_kv_size(cfg.context_length, per_slot, ps, ram)
+            logger.info("KV pool size: %d tokens: %s", size.num_slots, size.reason)
+            num_slots = size.num_slots
         if self.tp_size > 1:  # every rank holds the same slots: the smallest pool wins
             num_slots = self.tp_group.min_int(num_slots)
         if num_slots < ps:

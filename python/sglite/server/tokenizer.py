@@ -3,6 +3,7 @@ the `--chat-template` that may replace its chat template."""
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -12,12 +13,23 @@ logger = logging.getLogger(__name__)
 TEMPLATE_MARKERS = ("{{", "{%")
 
 
+# Tokenizer classes that are plain `tokenizers` files (tokenizer.json) with no model-specific
+# code: loaded through their own class, because `AutoTokenizer` imports transformers' model
+# configuration code, which imports torch (~0.4 GB of RSS in the main process and again in
+# the detokenizer, neither of which runs a model).
+PLAIN_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
 def load_tokenizer(path: str, *, mode: str = "auto", trust_remote_code: bool = False) -> Any:
     """The HF tokenizer of a model folder (the fast one unless `mode` is "slow"); a clear
-    error when there is none."""
-    from transformers import AutoTokenizer
-
+    error when there is none. A plain fast tokenizer loads without importing torch; any
+    other goes through `AutoTokenizer` (which imports torch when it is installed)."""
     try:
+        plain = _plain_tokenizer_class(path) if mode != "slow" else None
+        if plain is not None:
+            return plain.from_pretrained(path)
+        from transformers import AutoTokenizer
+
         return AutoTokenizer.from_pretrained(
             path, use_fast=mode != "slow", trust_remote_code=trust_remote_code
         )
@@ -27,6 +39,25 @@ def load_tokenizer(path: str, *, mode: str = "auto", trust_remote_code: bool = F
             "to a folder with tokenizer.json / tokenizer_config.json"
             + ("" if trust_remote_code else ", or --trust-remote-code if it ships its own code")
         ) from e
+
+
+def _plain_tokenizer_class(path: str) -> Any:
+    """The class of a local folder's tokenizer when it is one of PLAIN_TOKENIZER_CLASSES
+    with a tokenizer.json and no remote code; None otherwise (AutoTokenizer decides)."""
+    folder = Path(path)
+    config_file = folder / "tokenizer_config.json"
+    if not (config_file.is_file() and (folder / "tokenizer.json").is_file()):
+        return None
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    name = config.get("tokenizer_class") if isinstance(config, dict) else None
+    if name not in PLAIN_TOKENIZER_CLASSES or "auto_map" in config:
+        return None
+    import transformers
+
+    return getattr(transformers, name, None)
 
 
 def tokenizer_for(server_args: Any, path: str | None = None) -> Any:
