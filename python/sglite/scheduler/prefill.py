@@ -5,8 +5,9 @@ min-free-slots delay that postpones admission while the running batch has almost
 headroom left (admitting now would only force a retraction; bounded so nothing starves).
 Then the policy sorts the queue, the PrefillAdder charges candidates, rows and slots are
 allocated, and the chunked request (if any) continues first. A candidate refused for memory
-does not end the pass: smaller ones behind it may still fit, on the terms of admission.py
-(bounded lookahead; nothing passes it once it would fit without those that did).
+does not end the pass, nor does a budget spent by its estimate: smaller ones behind it may
+still fit, and one whose whole life fits in memory free now is admitted even so, on the terms
+of admission.py (bounded lookahead; nothing passes it once it would fit without those that did).
 """
 
 from __future__ import annotations
@@ -80,6 +81,7 @@ class PrefillManager:
             args.max_prefill_tokens,
             args.chunked_prefill_size if args.chunking_enabled else None,
             len(live) if mixed else 0,
+            whole_life=args.prefill_lookahead_requests > 0,
         )
         gate = BatchPrefixGate(self.core, self.cache.enabled)
         if chunked is not None:
@@ -101,12 +103,17 @@ class PrefillManager:
     def _admit_waiting(
         self, adder: PrefillAdder, gate: BatchPrefixGate, waiting: list[Req], max_entries: int
     ) -> None:
-        CONTINUE, NO_TOKEN = self.core.AddReqResult.CONTINUE, self.core.AddReqResult.NO_TOKEN
+        NO_TOKEN, OTHER = self.core.AddReqResult.NO_TOKEN, self.core.AddReqResult.OTHER
         guard = self.guard
         guard.start()
-        verdict = CONTINUE
+        # Memory spent by the budget's estimate ends SGLang's pass (lookahead 0); otherwise a
+        # candidate may still be admitted by the whole-life rule (admission.py).
+        stop_on_no_token = guard.max_lookahead == 0
+        verdict = self.core.AddReqResult.CONTINUE
         for req in waiting:
-            if verdict != CONTINUE or len(adder.entries) >= max_entries or not guard.may_try():
+            if verdict == OTHER or (verdict == NO_TOKEN and stop_on_no_token):
+                break
+            if len(adder.entries) >= max_entries or not guard.may_try():
                 break
             self.cache.match(req)  # current for the gate and the adder (reused if unchanged)
             if gate.defers(req):

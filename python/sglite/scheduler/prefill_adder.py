@@ -34,8 +34,10 @@ class PrefillAdder:
         max_prefill_tokens: int,
         chunked_prefill_size: int | None,
         num_mixed_decode_tokens: int = 0,
+        whole_life: bool = False,
     ):
         self.core = core
+        self.whole_life = whole_life  # admission.py's rule for a request the budget refuses
         self.cache = cache
         self.budget = core.PrefillBudget(
             cache.page_size, max_prefill_tokens, chunked_prefill_size, num_mixed_decode_tokens
@@ -72,6 +74,12 @@ class PrefillAdder:
         admitted, state, granted = self.budget.add_req(
             available, req.match_len, extend_len, max_new
         )
+        if not admitted and state == self.core.AddReqResult.NO_TOKEN and self.whole_life:
+            admitted, state, granted = self.budget.add_req_whole_life(
+                available, req.match_len, extend_len, max_new
+            )
+            if not admitted:
+                state = self.core.AddReqResult.NO_TOKEN  # refused for memory: report the shortfall
         if not admitted:
             if state == self.core.AddReqResult.NO_TOKEN:
                 self.shortfall = self.budget.shortfall(available, extend_len, max_new)
