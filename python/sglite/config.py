@@ -111,6 +111,31 @@ class ServerArgs(FrontDoorArgs):
         "only while the refused one would not fit even without those that passed it (so it "
         "cannot starve). 0: stop at the first refusal, as SGLang.",
     )
+    enable_prefill_delayer: bool = _f(
+        False,
+        "SGLang's prefill delayer: hold a prefill back while fewer request slots are free than "
+        "a recent prefill batch used (and, opt-in, while few requests wait), bounded in passes.",
+    )
+    prefill_delayer_max_delay_passes: int = _f(
+        30, "Prefill delayer: at most this many passes - 1 in a row are delayed."
+    )
+    prefill_delayer_token_usage_low_watermark: float | None = _f(
+        None, "Prefill delayer: token usage under this (0-1) forces the prefill through."
+    )
+    prefill_delayer_queue_min_ratio: float | None = _f(
+        None,
+        "Prefill delayer's queue trigger: delay while fewer than running x ratio requests wait "
+        "(typical 0.1-0.5; off by default).",
+    )
+    prefill_delayer_max_delay_ms: float | None = _f(
+        None, "Prefill delayer: wall-clock cap of the queue trigger in ms (default 5000)."
+    )
+    prefill_decode_interval: int = _f(
+        0, "After a prefill batch, schedule no prefill for this many rounds (decode only)."
+    )
+    max_consecutive_prefill_batches: int = _f(
+        0, "After this many prefill batches in a row, run one decode batch (0: no limit)."
+    )
     radix_eviction_policy: str = _f(
         "lru", "Prefix-cache eviction order.", choices=EVICTION_POLICIES
     )

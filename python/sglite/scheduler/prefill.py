@@ -21,6 +21,12 @@ from sglite.scheduler.batch import ScheduleBatch
 from sglite.scheduler.decode import DecodeManager
 from sglite.scheduler.policy import BatchPrefixGate, SchedulePolicy
 from sglite.scheduler.prefill_adder import PrefillAdder
+from sglite.scheduler.prefill_delayer import (
+    DEFAULT_MAX_DELAY_MS,
+    DelayerConfig,
+    NoDelayer,
+    PrefillDelayer,
+)
 from sglite.scheduler.req import Req
 
 MIN_FREE_PAGES_PER_RUNNING_REQ = 2
@@ -39,6 +45,7 @@ class PrefillManager:
         decode: DecodeManager,
         max_running: int,
         counters: dict[str, int],
+        agree: Any = None,
     ):
         self.args = args
         self.core = core
@@ -51,12 +58,38 @@ class PrefillManager:
         self.num_delayed = 0
         self.guard = HeadOfLineGuard(args.prefill_lookahead_requests, args.page_size)
         counters.setdefault("num_bypassing_reqs", 0)  # admitted past one refused for memory
+        self.delayer = NoDelayer()
+        if args.enable_prefill_delayer:
+            cfg = DelayerConfig(
+                max_running_requests=max_running,
+                max_delay_passes=args.prefill_delayer_max_delay_passes,
+                token_usage_low_watermark=args.prefill_delayer_token_usage_low_watermark,
+                queue_min_ratio=args.prefill_delayer_queue_min_ratio,
+                max_delay_ms=args.prefill_delayer_max_delay_ms or DEFAULT_MAX_DELAY_MS,
+            )
+            self.delayer = PrefillDelayer(cfg, counters, agree=agree)
 
     def get_new_batch(
         self, waiting: list[Req], running: list[Req], processed_tokens: int
     ) -> ScheduleBatch | None:
         """The next prefill batch. Admitted requests leave `waiting` and those whose prompt
-        is complete join `running` (both lists are changed in place)."""
+        is complete join `running` (both lists are changed in place). One prefill-delayer
+        decision per call."""
+        live = [r for r in running if not r.finished]
+        capacity = self.cache.allocator.capacity()
+        usage = 1 - self.cache.available_and_evictable() / capacity
+        self.delayer.start(usage, len(live), len(waiting))
+        before = self.chunked_req
+        batch = self._get_new_batch(waiting, running, processed_tokens)
+        num_new = 0
+        if batch is not None:
+            num_new = sum(not d and r is not before for r, d in zip(batch.reqs, batch.is_decode))
+        self.delayer.finish(num_new)
+        return batch
+
+    def _get_new_batch(
+        self, waiting: list[Req], running: list[Req], processed_tokens: int
+    ) -> ScheduleBatch | None:
         chunked = self.chunked_req
         if chunked is not None:  # its previous slice is computed or in flight: publish it
             self.cache.checkpoint(chunked, chunked.kv_len)
@@ -87,6 +120,8 @@ class PrefillManager:
         if chunked is not None:
             adder.add_chunked(chunked)
             gate.add(chunked)
+            self.delayer.allows()  # a request mid-chunk always proceeds; the verdict holds
+            # for the new ones
         self._admit_waiting(adder, gate, waiting, free_rows + (chunked is not None))
         if not adder.entries:
             return None
@@ -120,6 +155,9 @@ class PrefillManager:
                 continue
             before = len(adder.entries)
             verdict = adder.add_one(req)
+            if len(adder.entries) > before and not self.delayer.allows():
+                adder.undo_last()  # the delayer holds new prefills back this pass
+                break
             if len(adder.entries) > before:
                 gate.add(req)
                 guard.admitted(req)

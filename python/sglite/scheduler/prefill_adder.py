@@ -93,6 +93,13 @@ class PrefillAdder:
         if end < req.fill_len:
             self.new_chunked_req = req
 
+    def undo_last(self) -> None:
+        """Take back the last admission (its budget charge stays: the pass ends)."""
+        e = self.entries.pop()
+        if self.new_chunked_req is e.req:
+            self.new_chunked_req = None
+        self.cache.unlock(e.req.match_node)
+
     def rollback(self) -> None:
         """Undo the locks of newly admitted requests (their batch could not be allocated)."""
         for e in self.entries:

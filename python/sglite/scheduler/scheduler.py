@@ -46,6 +46,7 @@ from sglite.messages import (
 )
 from sglite.scheduler.batch import ScheduleBatch
 from sglite.scheduler.decode import DecodeManager
+from sglite.scheduler.decode_turns import DecodeTurns
 from sglite.scheduler.heap import trim_heap
 from sglite.scheduler.limits import RequestLimits
 from sglite.scheduler.output import OutputStreamer
@@ -120,8 +121,10 @@ class Scheduler:
         self.watchdog = watchdog or NullWatchdog()
         self.decode = DecodeManager(self.cache, args.schedule_conservativeness, self._free_kv)
         self.prefill = PrefillManager(
-            args, core, self.cache, self.policy, self.decode, self.max_running, self.counters
-        )
+            args, core, self.cache, self.policy, self.decode, self.max_running, self.counters,
+            agree=agree,
+        )  # fmt: skip
+        self.turns = DecodeTurns(args.prefill_decode_interval, args.max_consecutive_prefill_batches)
 
     # ---------------------------------------------------------------- loops
     def event_loop(self, recv: Callable[[bool], list]) -> None:
@@ -250,9 +253,13 @@ class Scheduler:
     def get_next_batch_to_run(self) -> ScheduleBatch | None:
         if self.grammars:
             self._admit_compiled()
-        batch = self.prefill.get_new_batch(self.waiting, self.running, self.processed_tokens)
+        batch = None
+        if self.turns.may_prefill(bool(self.decode.decodable(self.running))):
+            batch = self.prefill.get_new_batch(self.waiting, self.running, self.processed_tokens)
         if batch is None:
             batch = self._decode_batch()
+        if batch is not None:
+            self.turns.ran(batch.mode.value != "decode")
         if batch is None and self.waiting and not self._holds_kv():
             self._refuse_head()
         return batch
