@@ -136,6 +136,22 @@ class ServerArgs(FrontDoorArgs):
     max_consecutive_prefill_batches: int = _f(
         0, "After this many prefill batches in a row, run one decode batch (0: no limit)."
     )
+    enable_priority_scheduling: bool = _f(
+        False,
+        "Order the waiting queue by each request's `priority` first (the policy breaks ties) "
+        "and let a much higher priority request preempt running ones.",
+    )
+    schedule_low_priority_values_first: bool = _f(
+        False, "Priority scheduling: lower `priority` values go first (default: higher)."
+    )
+    priority_scheduling_preemption_threshold: int = _f(
+        10,
+        "Priority scheduling: a waiting request preempts running ones whose priority is worse "
+        "than its by more than this.",
+    )
+    disable_priority_preemption: bool = _f(
+        False, "Priority scheduling: order the queue by priority but never preempt."
+    )
     radix_eviction_policy: str = _f(
         "lru", "Prefix-cache eviction order.", choices=EVICTION_POLICIES
     )

@@ -52,6 +52,7 @@ from sglite.scheduler.limits import RequestLimits
 from sglite.scheduler.output import OutputStreamer
 from sglite.scheduler.policy import SchedulePolicy
 from sglite.scheduler.prefill import PrefillManager
+from sglite.scheduler.priority import PriorityPreemptor
 from sglite.scheduler.req import Req, StopChecker
 from sglite.scheduler.results import ResultProcessor
 from sglite.scheduler.watchdog import NullWatchdog
@@ -87,7 +88,11 @@ class Scheduler:
         self.cache = build_cache_manager(
             args, core, allocator, req_to_token_pool, recorder, kv_pool, model_id
         )
-        self.policy = SchedulePolicy(args.schedule_policy, self.cache, core, args.random_seed)
+        sign = 1 if args.schedule_low_priority_values_first else -1
+        self.policy = SchedulePolicy(
+            args.schedule_policy, self.cache, core, args.random_seed,
+            priority_sign=sign if args.enable_priority_scheduling else 0,
+        )  # fmt: skip
         self.client = WorkerClient(worker, overlap=not args.disable_overlap_schedule)
         self.step = self.step_normal if args.disable_overlap_schedule else self.step_overlap
         self.limits = RequestLimits(context_length, allocator.capacity(), args.page_size, core)
@@ -124,6 +129,12 @@ class Scheduler:
             args, core, self.cache, self.policy, self.decode, self.max_running, self.counters,
             agree=agree,
         )  # fmt: skip
+        self.preemptor = None
+        if args.enable_priority_scheduling and not args.disable_priority_preemption:
+            self.preemptor = PriorityPreemptor(
+                core, self.cache, self.policy.rank,
+                args.priority_scheduling_preemption_threshold, self._free_kv, self.counters,
+            )  # fmt: skip
         self.turns = DecodeTurns(args.prefill_decode_interval, args.max_consecutive_prefill_batches)
 
     # ---------------------------------------------------------------- loops
@@ -212,6 +223,7 @@ class Scheduler:
             msg.stream,
             msg.extra_key,
             logprob=msg.logprob,
+            priority=msg.priority or 0,
         )
         req.wait_since_processed = self.processed_tokens
         error = self.limits.refusal(len(req.input_ids), req.max_new_tokens)
@@ -253,6 +265,9 @@ class Scheduler:
     def get_next_batch_to_run(self) -> ScheduleBatch | None:
         if self.grammars:
             self._admit_compiled()
+        if self.preemptor is not None and self.waiting:
+            victims = self.preemptor.make_room(self.waiting, self.running, self.decode.ratio.value)
+            self.waiting[:0] = sorted(victims, key=lambda r: r.arrival_time)
         batch = None
         if self.turns.may_prefill(bool(self.decode.decodable(self.running))):
             batch = self.prefill.get_new_batch(self.waiting, self.running, self.processed_tokens)
