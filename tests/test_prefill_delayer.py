@@ -143,3 +143,18 @@ def test_decode_turns_in_the_scheduler(core, args, kinds):
         h.sched.step()
         seen += "P" if h.sched.counters["num_prefill_batches"] > before else "D"
     assert seen == kinds
+
+
+@pytest.mark.parametrize("n, admitted_at_once", [(None, True), (1, True), (2, False), (9, False)])
+def test_min_free_slots_delay(core, n, admitted_at_once):
+    """3 of 4 slots run; a new request waits for min(N, 4) free slots (N <= 1: off), i.e. for
+    the shortest running one to finish."""
+    h = Harness(core, max_running_requests=4, min_free_slots_delay=n, disable_overlap_schedule=True)
+    for i, max_new in enumerate((5, 50, 50)):
+        h.add(f"run{i}", [5 + i] * 4, max_new_tokens=max_new)
+    h.sched.step()
+    h.add("new", [9] * 4)
+    h.sched.step()
+    assert (not h.sched.waiting) == admitted_at_once
+    h.run()
+    assert h.results()["new"]["finish"]["type"] == "length"

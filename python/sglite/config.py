@@ -130,6 +130,11 @@ class ServerArgs(FrontDoorArgs):
     prefill_delayer_max_delay_ms: float | None = _f(
         None, "Prefill delayer: wall-clock cap of the queue trigger in ms (default 5000)."
     )
+    min_free_slots_delay: int | None = _f(
+        None,
+        "Hold new prefills while running requests leave fewer than min(N, max running) free "
+        "request slots, so slots are refilled several at a time (SGLang's; N <= 1: off).",
+    )
     prefill_decode_interval: int = _f(
         0, "After a prefill batch, schedule no prefill for this many rounds (decode only)."
     )

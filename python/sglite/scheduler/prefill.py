@@ -100,7 +100,9 @@ class PrefillManager:
             self.max_running - len(live) - (chunked is not None),
             self.cache.req_to_token_pool.available_size(),
         )
-        if chunked is None and (free_rows <= 0 or self._should_delay(live)):
+        if chunked is None and (
+            free_rows <= 0 or self._too_few_free_slots(live, free_rows) or self._should_delay(live)
+        ):
             return None
 
         self.policy.sort(waiting, processed_tokens)
@@ -196,6 +198,13 @@ class PrefillManager:
                 self.counters["num_chunks"] += 1
         self.chunked_req = adder.new_chunked_req
         return ScheduleBatch(reqs, starts, ends, [False] * len(reqs), out_cache_loc=slots)
+
+    def _too_few_free_slots(self, running: list, free_rows: int) -> bool:
+        """--min-free-slots-delay N: wait for min(N, max running) free slots while requests run
+        (no time bound: running requests finish and free theirs)."""
+        n = self.args.min_free_slots_delay
+        threshold = min(n, self.max_running) if n is not None else 0
+        return threshold > 1 and bool(running) and free_rows < threshold
 
     def _should_delay(self, running: list) -> bool:
         if not running:
