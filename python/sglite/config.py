@@ -130,6 +130,14 @@ class ServerArgs(FrontDoorArgs):
     prefill_delayer_max_delay_ms: float | None = _f(
         None, "Prefill delayer: wall-clock cap of the queue trigger in ms (default 5000)."
     )
+    enable_dynamic_chunking: bool = _f(
+        False,
+        "Size each continuation chunk of a long prompt to cost what the first did (a quadratic "
+        "cost model fitted on timed prefills at start-up); --chunked-prefill-size is the first.",
+    )
+    dynamic_chunking_smooth_factor: float = _f(
+        0.75, "Dynamic chunking: 0 keeps the static size, 1 follows the cost model exactly."
+    )
     min_free_slots_delay: int | None = _f(
         None,
         "Hold new prefills while running requests leave fewer than min(N, max running) free "

@@ -113,6 +113,8 @@ def validate(args: ServerArgs) -> None:
     ms = args.prefill_delayer_max_delay_ms
     if ms is not None and not ms > 0:
         bad("prefill_delayer_max_delay_ms", f"must be > 0, got {ms}")
+    if not 0 <= args.dynamic_chunking_smooth_factor <= 1:
+        bad("dynamic_chunking_smooth_factor", "must be in [0, 1]")
     if args.priority_scheduling_preemption_threshold < 0:
         bad("priority_scheduling_preemption_threshold", "must be >= 0")
     for name in ("prefill_decode_interval", "max_consecutive_prefill_batches"):

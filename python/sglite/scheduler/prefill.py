@@ -58,6 +58,7 @@ class PrefillManager:
         self.num_delayed = 0
         self.guard = HeadOfLineGuard(args.prefill_lookahead_requests, args.page_size)
         counters.setdefault("num_bypassing_reqs", 0)  # admitted past one refused for memory
+        self.sizer = None  # ChunkSizer (--enable-dynamic-chunking), set once profiled
         self.delayer = NoDelayer()
         if args.enable_prefill_delayer:
             cfg = DelayerConfig(
@@ -114,7 +115,7 @@ class PrefillManager:
             live,
             self.decode.ratio.value,
             args.max_prefill_tokens,
-            args.chunked_prefill_size if args.chunking_enabled else None,
+            self._chunk_size(chunked),
             len(live) if mixed else 0,
             whole_life=args.prefill_lookahead_requests > 0,
         )
@@ -198,6 +199,15 @@ class PrefillManager:
                 self.counters["num_chunks"] += 1
         self.chunked_req = adder.new_chunked_req
         return ScheduleBatch(reqs, starts, ends, [False] * len(reqs), out_cache_loc=slots)
+
+    def _chunk_size(self, chunked: Req | None) -> int | None:
+        """This pass's chunk budget: the dynamic sizer's for a continuation, else the flag's."""
+        args = self.args
+        if not args.chunking_enabled:
+            return None
+        if chunked is not None and self.sizer is not None:
+            return self.sizer.predict(chunked.kv_len) or args.chunked_prefill_size
+        return args.chunked_prefill_size
 
     def _too_few_free_slots(self, running: list, free_rows: int) -> bool:
         """--min-free-slots-delay N: wait for min(N, max running) free slots while requests run

@@ -44,7 +44,9 @@ from sglite.messages import (
     GetStatsReq,
     StatsResp,
 )
+from sglite.sampling_params import SamplingParams
 from sglite.scheduler.batch import ScheduleBatch
+from sglite.scheduler.chunk_sizer import build_sizer
 from sglite.scheduler.decode import DecodeManager
 from sglite.scheduler.decode_turns import DecodeTurns
 from sglite.scheduler.heap import trim_heap
@@ -134,6 +136,12 @@ class Scheduler:
             self.preemptor = PriorityPreemptor(
                 core, self.cache, self.policy.rank,
                 args.priority_scheduling_preemption_threshold, self._free_kv, self.counters,
+            )  # fmt: skip
+        if args.enable_dynamic_chunking and args.chunking_enabled:
+            self.prefill.sizer = build_sizer(
+                args.chunked_prefill_size, args.page_size, context_length,
+                args.max_prefill_tokens, args.dynamic_chunking_smooth_factor,
+                self.time_prefill, agree,
             )  # fmt: skip
         self.turns = DecodeTurns(args.prefill_decode_interval, args.max_consecutive_prefill_batches)
 
@@ -332,6 +340,31 @@ class Scheduler:
         """Finish `req` with an error and tell its client at once."""
         self.finish(req, {"type": "abort", "message": message, "status_code": status_code})
         self.streamer.stream([req])
+
+    def time_prefill(self, length: int) -> float:
+        """One real prefill of `length` seeded random tokens alone, in ms (the dynamic chunk
+        sizer's start-up profile); its KV is freed, nothing is cached or counted."""
+        ids = np.random.default_rng(length).integers(0, 1000, length).tolist()
+        req = Req(f"profile-{length}", ids, SamplingParams(max_new_tokens=1))
+        self.cache.lock(req.match_node)  # the root: nothing matched, as admission locks it
+        if not self.cache.alloc_rows([req]):
+            raise RuntimeError("no request row for the start-up profile")
+        slots = self.cache.alloc_extend([req], [0], [length])
+        if slots is None:
+            self.cache.release(req, insert=False)
+            raise RuntimeError(f"no KV room for a {length}-token start-up profile prefill")
+        batch = ScheduleBatch([req], [0], [length], [False], out_cache_loc=slots)
+        batch.future_slots = self.client.future_slots(1)
+        fi = batch.forward_input({})
+        if self.cache.mirrored:
+            fi.table_rows = self.cache.table[fi.rows, :length].copy()
+        start = time.perf_counter()
+        self.client.launch(fi).result()
+        ms = (time.perf_counter() - start) * 1000
+        req.kv_len = length
+        self.cache.release(req, insert=False)
+        self.client.release([req.rid])
+        return ms
 
     def launch(self, batch: ScheduleBatch) -> Launched:
         batch.future_slots = self.client.future_slots(len(batch.reqs))
