@@ -158,3 +158,14 @@ def test_min_free_slots_delay(core, n, admitted_at_once):
     assert (not h.sched.waiting) == admitted_at_once
     h.run()
     assert h.results()["new"]["finish"]["type"] == "length"
+
+
+def test_outcomes_are_counted_with_sglangs_labels(core):
+    h = Harness(core, enable_prefill_delayer=True, prefill_delayer_max_delay_passes=2)
+    h.add("a", [5] * 4)
+    h.run()
+    outcomes = h.sched.stats()["prefill_delayer_outcomes"]
+    assert {"input_estimation": "all", "output_allow": True, "output_reason": "no_wait"} in [
+        {k: v for k, v in o.items() if k != "count"} for o in outcomes
+    ]
+    assert "prefill_delayer_outcomes" not in Harness(core).sched.stats()

@@ -58,6 +58,7 @@ class PrefillManager:
         self.num_delayed = 0
         self.guard = HeadOfLineGuard(args.prefill_lookahead_requests, args.page_size)
         counters.setdefault("num_bypassing_reqs", 0)  # admitted past one refused for memory
+        counters.setdefault("num_whole_life_reqs", 0)  # admitted by the whole-life rule
         self.sizer = None  # ChunkSizer (--enable-dynamic-chunking), set once profiled
         self.delayer = NoDelayer()
         if args.enable_prefill_delayer:
@@ -131,6 +132,7 @@ class PrefillManager:
         batch = self._build(adder, waiting)
         if batch is not None:
             self.counters["num_bypassing_reqs"] += self.guard.commit()
+            self.counters["num_whole_life_reqs"] += adder.num_whole_life
             for e in adder.entries:
                 e.req.bypassers = []
             if mixed:

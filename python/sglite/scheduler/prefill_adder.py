@@ -50,6 +50,7 @@ class PrefillAdder:
         self.entries: list[PrefillEntry] = []
         self.new_chunked_req: Req | None = None
         self.shortfall = 0  # tokens the last candidate refused for memory lacked
+        self.num_whole_life = 0  # admitted by the whole-life rule (the estimate refused them)
 
     def add_chunked(self, req: Req) -> int:
         """Schedule the next slice of the request being chunked (always progresses)."""
@@ -80,6 +81,8 @@ class PrefillAdder:
             )
             if not admitted:
                 state = self.core.AddReqResult.NO_TOKEN  # refused for memory: report the shortfall
+            else:
+                self.num_whole_life += 1
         if not admitted:
             if state == self.core.AddReqResult.NO_TOKEN:
                 self.shortfall = self.budget.shortfall(available, extend_len, max_new)

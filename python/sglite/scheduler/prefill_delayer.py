@@ -128,6 +128,9 @@ class NoDelayer:
     def finish(self, actual_bs: int) -> None:
         pass
 
+    def stats(self) -> dict:
+        return {}
+
 
 class PrefillDelayer:
     """Per pass: `start(...)`, then `allows()` at most once (cached), `finish(actual)`."""
@@ -169,6 +172,14 @@ class PrefillDelayer:
         running, cap = self._running, self.cfg.max_running_requests
         attempted = min(max(self._waiting, 1), max(cap - running, 1)) if prefillable else 0
         self.tracker.record(actual_bs or attempted)
+
+    def stats(self) -> dict:
+        """The outcome counter, one entry per label set (SGLang's label names)."""
+        rows = [
+            {"input_estimation": e, "output_allow": a, "output_reason": r, "count": n}
+            for (e, a, r), n in sorted(self.outcomes.items())
+        ]
+        return {"prefill_delayer_outcomes": rows}
 
     def _negotiate(self, prefillable: bool) -> bool:
         cfg, now = self.cfg, self.clock()

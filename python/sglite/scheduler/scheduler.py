@@ -447,5 +447,6 @@ class Scheduler:
             **self.cache.tier.hit_tokens(c["num_cached_tokens_total"]),
             "waiting_hit_tokens": self.policy.waiting_hit_tokens(self.waiting),
             "new_token_ratio": self.decode.ratio.value,
+            **self.prefill.delayer.stats(),
             "uptime_s": time.monotonic() - self.started_at,
         }
