@@ -121,3 +121,54 @@ def test_lookahead_flag_validates():
     assert ServerArgs().prefill_lookahead_requests == 32
     with pytest.raises(ValueError, match="--prefill-lookahead-requests: must be >= 0"):
         ServerArgs(prefill_lookahead_requests=-1)
+
+
+# ---------------------------------------------------------------- the drained budget (issue 36)
+def drain(core, loop: str, short_after: int | None, until_retraction: bool):
+    """Issue 36's scene: a 12,600-token pool, 4 requests of 5,000 ignore_eos tokens (3 run,
+    1 waits); each running one reserves 4,096 tokens while its KV grows a token a step, so the
+    budget's room turns negative after ~100 decode steps. An 8-token request arrives after
+    `short_after` decode steps. Returns (decode steps from its arrival to its admission,
+    decode steps at the first retraction or None, waiting ids then)."""
+    h = Harness(
+        core, total_tokens=12_600, context_length=8192, disable_overlap_schedule=LOOPS[loop]
+    )
+    for i in range(4):
+        h.add(f"long{i}", [5] * 8, max_new_tokens=5000, ignore_eos=True)
+    counters = h.sched.counters
+    added = admitted_after = None
+    for _ in range(6000):
+        decoded = counters["num_decode_batches"]
+        if short_after is not None and added is None and decoded >= short_after:
+            h.add("short", [7] * 8, max_new_tokens=8)
+            added = decoded
+        h.sched.step()
+        if counters["num_retracted_reqs"]:
+            return admitted_after, counters["num_decode_batches"], waiting_ids(h)
+        if added is not None and admitted_after is None and "short" not in waiting_ids(h):
+            admitted_after = counters["num_decode_batches"] - added
+            if not until_retraction:
+                return admitted_after, None, waiting_ids(h)
+    raise AssertionError("no retraction in 6000 steps")
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+@pytest.mark.parametrize("short_after", [20, 100])
+def test_a_short_request_is_admitted_when_the_budget_is_drained(core, loop, short_after):
+    """After 100 steps the budget refuses every candidate by its estimate; the short request's
+    whole life (8 + 8 tokens, and 10 more for each running request) fits in what is free, so
+    it is admitted at once, as it is after 20 steps by the estimate itself."""
+    admitted_after, _, waiting = drain(core, loop, short_after, until_retraction=False)
+    assert admitted_after is not None and admitted_after <= 2
+    assert waiting == ["long3"]
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_the_short_request_brings_no_retraction_forward(core, loop):
+    """The reservation's intent holds: the first retraction comes after the same number of
+    decode steps with the short request as without it (it finished long before)."""
+    _, alone, _ = drain(core, loop, None, until_retraction=True)
+    admitted_after, with_short, _ = drain(core, loop, 100, until_retraction=True)
+    assert admitted_after is not None and admitted_after <= 2
+    assert with_short == alone
+    assert 4100 < alone < 4200  # 3 x (8 + steps) tokens outgrow the pool

@@ -473,6 +473,30 @@ class BudgetParity(RuleBasedStateMachine):
             trial = PY.PrefillBudget(self.ps, 10**12, None, self.budget.py.total_offset)
             assert trial.add_req(available + extra, 0, extend, max_new)[0] == admitted
 
+    @rule(extend=SIZES, max_new=st.integers(-2, 12000))
+    def whole_life_need(self, extend: int, max_new: int) -> None:
+        self.budget.call("whole_life_need", extend, max_new)
+
+    @rule(
+        available=st.integers(-1, 40000),
+        prefix=st.integers(-1, 3000),
+        extend=SIZES,
+        max_new=st.integers(-2, 12000),
+    )
+    def add_req_whole_life(self, available: int, prefix: int, extend: int, max_new: int) -> None:
+        py = self.budget.py
+        need = py.whole_life_need(extend, max_new) if extend >= 1 and max_new >= 0 else None
+        outcome = self.budget.call("add_req_whole_life", available, prefix, extend, max_new)
+        if isinstance(outcome, Failed):
+            return
+        # a refusal for memory iff its life does not fit; otherwise admitted whole (never cut)
+        # or refused by the input or chunk budget
+        if need > available:
+            assert outcome == (False, PY.AddReqResult.NO_TOKEN, 0)
+        else:
+            assert outcome[:1] + outcome[2:] == (True, extend) or outcome[::2] == (False, 0)
+            assert outcome[0] or outcome[1] == PY.AddReqResult.OTHER
+
     @rule(
         available=st.integers(-1, 20000),
         prefix=st.integers(-1, 3000),

@@ -114,6 +114,60 @@ class ServerArgs(FrontDoorArgs):
         "only while the refused one would not fit even without those that passed it (so it "
         "cannot starve). 0: stop at the first refusal, as SGLang.",
     )
+    enable_prefill_delayer: bool = _f(
+        False,
+        "SGLang's prefill delayer: hold a prefill back while fewer request slots are free than "
+        "a recent prefill batch used (and, opt-in, while few requests wait), bounded in passes.",
+    )
+    prefill_delayer_max_delay_passes: int = _f(
+        30, "Prefill delayer: at most this many passes - 1 in a row are delayed."
+    )
+    prefill_delayer_token_usage_low_watermark: float | None = _f(
+        None, "Prefill delayer: token usage under this (0-1) forces the prefill through."
+    )
+    prefill_delayer_queue_min_ratio: float | None = _f(
+        None,
+        "Prefill delayer's queue trigger: delay while fewer than running x ratio requests wait "
+        "(typical 0.1-0.5; off by default).",
+    )
+    prefill_delayer_max_delay_ms: float | None = _f(
+        None, "Prefill delayer: wall-clock cap of the queue trigger in ms (default 5000)."
+    )
+    enable_dynamic_chunking: bool = _f(
+        False,
+        "Size each continuation chunk of a long prompt to cost what the first did (a quadratic "
+        "cost model fitted on timed prefills at start-up); --chunked-prefill-size is the first.",
+    )
+    dynamic_chunking_smooth_factor: float = _f(
+        0.75, "Dynamic chunking: 0 keeps the static size, 1 follows the cost model exactly."
+    )
+    min_free_slots_delay: int | None = _f(
+        None,
+        "Hold new prefills while running requests leave fewer than min(N, max running) free "
+        "request slots, so slots are refilled several at a time (SGLang's; N <= 1: off).",
+    )
+    prefill_decode_interval: int = _f(
+        0, "After a prefill batch, schedule no prefill for this many rounds (decode only)."
+    )
+    max_consecutive_prefill_batches: int = _f(
+        0, "After this many prefill batches in a row, run one decode batch (0: no limit)."
+    )
+    enable_priority_scheduling: bool = _f(
+        False,
+        "Order the waiting queue by each request's `priority` first (the policy breaks ties) "
+        "and let a much higher priority request preempt running ones.",
+    )
+    schedule_low_priority_values_first: bool = _f(
+        False, "Priority scheduling: lower `priority` values go first (default: higher)."
+    )
+    priority_scheduling_preemption_threshold: int = _f(
+        10,
+        "Priority scheduling: a waiting request preempts running ones whose priority is worse "
+        "than its by more than this.",
+    )
+    disable_priority_preemption: bool = _f(
+        False, "Priority scheduling: order the queue by priority but never preempt."
+    )
     radix_eviction_policy: str = _f(
         "lru", "Prefix-cache eviction order.", choices=EVICTION_POLICIES
     )

@@ -104,6 +104,22 @@ def validate(args: ServerArgs) -> None:
         bad("max_running_requests", f"must be >= 1, got {args.max_running_requests}")
     if args.prefill_lookahead_requests < 0:
         bad("prefill_lookahead_requests", f"must be >= 0, got {args.prefill_lookahead_requests}")
+    if args.prefill_delayer_max_delay_passes < 1:
+        bad("prefill_delayer_max_delay_passes", "must be >= 1")
+    for name in ("prefill_delayer_token_usage_low_watermark", "prefill_delayer_queue_min_ratio"):
+        value = getattr(args, name)
+        if value is not None and not 0 <= value <= 1:
+            bad(name, f"must be in [0, 1], got {value}")
+    ms = args.prefill_delayer_max_delay_ms
+    if ms is not None and not ms > 0:
+        bad("prefill_delayer_max_delay_ms", f"must be > 0, got {ms}")
+    if not 0 <= args.dynamic_chunking_smooth_factor <= 1:
+        bad("dynamic_chunking_smooth_factor", "must be in [0, 1]")
+    if args.priority_scheduling_preemption_threshold < 0:
+        bad("priority_scheduling_preemption_threshold", "must be >= 0")
+    for name in ("prefill_decode_interval", "max_consecutive_prefill_batches"):
+        if getattr(args, name) < 0:
+            bad(name, f"must be >= 0, got {getattr(args, name)}")
     if args.max_prefill_tokens < 1:
         bad("max_prefill_tokens", f"must be >= 1, got {args.max_prefill_tokens}")
     c = args.chunked_prefill_size

@@ -35,6 +35,7 @@ class GenerateReq:
     extra_key: str | None = None
     input_text: str | None = None
     logprob: LogprobOptions | None = None  # return_logprob: what to compute
+    priority: int | None = None  # --enable-priority-scheduling; None: 0
 
 
 @dataclass

@@ -29,7 +29,6 @@ UNSUPPORTED: dict[str, str] = {
     "--is-embedding": "embedding models",
     "--enable-multimodal": "multimodal models",
     "--json-model-override-args": "overriding the model config",
-    "--enable-priority-scheduling": "priority scheduling",
 }
 # flag -> the values with which it asks for nothing sglite does not do already
 NO_OP_VALUES: dict[str, frozenset[str]] = {

@@ -24,6 +24,17 @@ API (same in both backends)
 - `shortfall(available, extend_len, max_new_tokens) -> int`: the tokens `available` lacks for
   add_req to admit that request now by the memory rule (0 when it fits); charges nothing.
   Admission fairness uses it (scheduler/admission.py): how far the refused head is from fitting.
+- `whole_life_need(extend_len, max_new_tokens) -> int`: the tokens a request needs free now so
+  that its whole life fits beside everything already charged (the starvation fix, see
+  scheduler/admission.py): current_offset + ceil_page(extend + max_new) + page_size, plus what
+  each running request (from `reserve_running`) and each one charged in this batch can still
+  grow while it lives, L = max_new + LIFE_SLACK_STEPS steps: ceil_page(min(remaining, L)) +
+  page_size each (a request charged in this batch also its prompt still to come, paged).
+  max_new is not clipped here. Charges nothing.
+- `add_req_whole_life(available, prefix_len, extend_len, max_new_tokens) -> (admitted, state,
+  extend_len)`: admit a request the memory rule refused when whole_life_need <= available; it
+  is never cut (a request over the chunk budget, or at the input budget unless first, is
+  refused with OTHER) and is charged as add_req charges it. NO_TOKEN when it does not fit.
 - `add_chunk(available, prefix_len, remaining_len, max_new_tokens) -> (state, extend_len)`:
   the next slice of the request being chunked; it always progresses. Decode tokens are
   reserved only with the last slice.
@@ -45,6 +56,9 @@ from typing import Any
 from sglite.core._arrays import as_index_array, as_int, as_size
 
 CLIP_MAX_NEW_TOKENS = 4096
+# Decode steps a request may outlive its max_new_tokens by in the scheduler's view: its finish is
+# seen one step late under the overlap loop, and the prefill step itself is one more.
+LIFE_SLACK_STEPS = 2
 
 
 class AddReqResult:
@@ -77,6 +91,8 @@ class PrefillBudget:
         self._total_offset = mixed
         self._current_offset = mixed
         self._num_admitted = 0
+        self._running_remaining: list[int] = []  # remaining_new_tokens of the running batch
+        self._charged_future: list[tuple[int, int]] = []  # (prompt to come, max_new) per charge
 
     # ---------------------------------------------------------------- views
     @property
@@ -126,6 +142,7 @@ class PrefillBudget:
         for r, exact in zip(remaining.tolist(), flags):
             tokens = min(max(r, 0), CLIP_MAX_NEW_TOKENS)
             reserved += tokens if exact else int(tokens * ratio)
+        self._running_remaining += [max(r, 0) for r in remaining.tolist()]
         self._total_offset += reserved
         return reserved
 
@@ -145,7 +162,8 @@ class PrefillBudget:
         extend_len = as_size(extend_len, "extend_len")
         if extend_len < 1:
             raise ValueError("extend_len must be >= 1: every admitted request computes a token")
-        max_new = min(as_size(max_new_tokens, "max_new_tokens"), CLIP_MAX_NEW_TOKENS)
+        max_new_full = as_size(max_new_tokens, "max_new_tokens")
+        max_new = min(max_new_full, CLIP_MAX_NEW_TOKENS)
         if max_new > _max_new_limit(available - self._total_offset, extend_len, self._ps):
             return False, AddReqResult.NO_TOKEN, 0
         paged = self._ceil_page(extend_len)
@@ -160,7 +178,34 @@ class PrefillBudget:
                 return False, AddReqResult.OTHER, 0
             max_new = 0
         self._reserve(granted, max_new)
+        self._charged_future.append((extend_len - granted, max_new_full))
         return True, self.state(available), granted
+
+    def whole_life_need(self, extend_len: int, max_new_tokens: int) -> int:
+        extend_len = as_size(extend_len, "extend_len")
+        if extend_len < 1:
+            raise ValueError("extend_len must be >= 1: every admitted request computes a token")
+        return self._whole_life_need(extend_len, as_size(max_new_tokens, "max_new_tokens"))
+
+    def add_req_whole_life(
+        self, available: int, prefix_len: int, extend_len: int, max_new_tokens: int
+    ) -> tuple[bool, int, int]:
+        available = as_size(available, "available")
+        as_size(prefix_len, "prefix_len")
+        extend_len = as_size(extend_len, "extend_len")
+        if extend_len < 1:
+            raise ValueError("extend_len must be >= 1: every admitted request computes a token")
+        max_new = as_size(max_new_tokens, "max_new_tokens")
+        if self._whole_life_need(extend_len, max_new) > available:
+            return False, AddReqResult.NO_TOKEN, 0
+        paged = self._ceil_page(extend_len)
+        if self._rem_chunk is not None and paged > self._rem_chunk:
+            return False, AddReqResult.OTHER, 0  # never cut: its whole prompt runs now
+        if self._num_admitted > 0 and paged >= self._rem_input:
+            return False, AddReqResult.OTHER, 0
+        self._reserve(extend_len, min(max_new, CLIP_MAX_NEW_TOKENS))
+        self._charged_future.append((0, max_new))
+        return True, self.state(available), extend_len
 
     def shortfall(self, available: int, extend_len: int, max_new_tokens: int) -> int:
         available = as_size(available, "available")
@@ -181,7 +226,8 @@ class PrefillBudget:
             raise ValueError("remaining_len must be >= 1")
         if self._rem_chunk is None:
             raise ValueError("add_chunk needs a chunk budget (rem_chunk_tokens is None)")
-        max_new = min(as_size(max_new_tokens, "max_new_tokens"), CLIP_MAX_NEW_TOKENS)
+        max_new_full = as_size(max_new_tokens, "max_new_tokens")
+        max_new = min(max_new_full, CLIP_MAX_NEW_TOKENS)
         limit = min(self._rem_chunk, available - self._total_offset)
         if limit <= 0:
             limit = self._rem_chunk
@@ -193,6 +239,7 @@ class PrefillBudget:
                 granted = min(remaining_len, max(self._floor_page(self._rem_chunk), self._ps))
             max_new = 0
         self._reserve(granted, max_new)
+        self._charged_future.append((remaining_len - granted, max_new_full))
         return self.state(available), granted
 
     # ---------------------------------------------------------------- internals
@@ -205,6 +252,14 @@ class PrefillBudget:
         if self._rem_chunk is not None:
             self._rem_chunk -= paged
         self._num_admitted += 1
+
+    def _whole_life_need(self, extend_len: int, max_new: int) -> int:
+        life, ps = max_new + LIFE_SLACK_STEPS, self._ps
+        need = self._current_offset + self._ceil_page(extend_len + max_new) + ps
+        need += sum(self._ceil_page(min(r, life)) + ps for r in self._running_remaining)
+        for pending, new in self._charged_future:
+            need += self._ceil_page(pending) + self._ceil_page(min(new, life)) + ps
+        return need
 
     def _ceil_page(self, n: int) -> int:
         return -(-n // self._ps) * self._ps

@@ -1,5 +1,24 @@
 """HeadOfLineGuard: fair admission past a waiting request refused for KV memory.
 
+The whole-life rule (the budget's `add_req_whole_life`, both tree cores). The budget's estimate
+can drain while memory is plentiful: a running request reserves min(remaining, 4096) tokens
+but holds more KV each step, so with long ignore_eos requests its room falls a token per
+running request per step and turns negative long before memory runs out; SGLang then refuses
+every candidate until one finishes (a 12,600-token pool, 3 x 5,000-token requests: an 8-token
+request waits ~4,000 steps). Here a candidate the estimate refuses is still admitted when its
+whole life fits in what is free now (allocator free + evictable):
+    need = charged now in this batch + ceil_page(extend + max_new) + page
+         + for each running request: ceil_page(min(remaining, L)) + page
+         + for each request charged in this batch: its prompt still to come + the same growth
+    with L = max_new + 2 steps (its prefill, and the finish the overlap loop sees a step late).
+Why it never brings a retraction forward: the candidate decodes at most max_new steps; in that
+time nothing present grows by more than what `need` counts, so every decode step of its life
+fits without retracting anyone; when it finishes its KV is freed (or becomes evictable), and
+the others are exactly where they would be without it. Requests admitted later see it as
+running (the estimate reserves its tokens; the rule counts its growth), so they are no more
+permissive than they would have been. A "no memory" verdict therefore no longer ends the pass
+while --prefill-lookahead-requests > 0; 0 keeps SGLang's rule (and disables this one).
+
 SGLang stops a prefill pass at the first request the budget refuses for memory, so a small
 request that would fit waits behind a large one that does not (12 requests that each reserve
 4,096 tokens hold an 8-token request for minutes at 2% of the pool in use). Here the pass goes

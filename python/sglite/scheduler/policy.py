@@ -31,7 +31,9 @@ IN_QUEUE_DEPRIORITIZE_THRESHOLD = 32
 
 
 class SchedulePolicy:
-    def __init__(self, policy: str, cache: CacheManager, core, seed: int = 0):
+    def __init__(
+        self, policy: str, cache: CacheManager, core, seed: int = 0, priority_sign: int = 0
+    ):
         if not cache.enabled and policy in CACHE_AWARE:
             policy = "fcfs"  # nothing to be aware of
         self.policy = policy
@@ -39,6 +41,8 @@ class SchedulePolicy:
         self.core = core
         self.rng = random.Random(seed)
         self.num_passes = 0
+        # --enable-priority-scheduling: 1 low values first, -1 high values first, 0 off
+        self.priority_sign = priority_sign
 
     def active_policy(self, queue_len: int) -> str:
         if self.policy in ("lpm", "hrrn") and queue_len > FCFS_FALLBACK_QUEUE_LEN:
@@ -46,8 +50,19 @@ class SchedulePolicy:
         return self.policy
 
     def sort(self, queue: list[Req], processed_tokens: int) -> None:
-        """Reorder `queue` in place; with a cache-aware policy every request's match is current."""
+        """Reorder `queue` in place; with a cache-aware policy every request's match is current.
+        With priority scheduling, priority comes first and the policy's order breaks ties (a
+        stable sort after it), so cache awareness holds within a priority level."""
         self.num_passes += 1
+        self._sort_by_policy(queue, processed_tokens)
+        if self.priority_sign:
+            queue.sort(key=self.rank)
+
+    def rank(self, req: Req) -> int:
+        """Priority order: lower ranks go first."""
+        return req.priority * self.priority_sign
+
+    def _sort_by_policy(self, queue: list[Req], processed_tokens: int) -> None:
         policy = self.active_policy(len(queue))
         if policy == "fcfs":
             return

@@ -34,8 +34,10 @@ class PrefillAdder:
         max_prefill_tokens: int,
         chunked_prefill_size: int | None,
         num_mixed_decode_tokens: int = 0,
+        whole_life: bool = False,
     ):
         self.core = core
+        self.whole_life = whole_life  # admission.py's rule for a request the budget refuses
         self.cache = cache
         self.budget = core.PrefillBudget(
             cache.page_size, max_prefill_tokens, chunked_prefill_size, num_mixed_decode_tokens
@@ -48,6 +50,7 @@ class PrefillAdder:
         self.entries: list[PrefillEntry] = []
         self.new_chunked_req: Req | None = None
         self.shortfall = 0  # tokens the last candidate refused for memory lacked
+        self.num_whole_life = 0  # admitted by the whole-life rule (the estimate refused them)
 
     def add_chunked(self, req: Req) -> int:
         """Schedule the next slice of the request being chunked (always progresses)."""
@@ -72,6 +75,14 @@ class PrefillAdder:
         admitted, state, granted = self.budget.add_req(
             available, req.match_len, extend_len, max_new
         )
+        if not admitted and state == self.core.AddReqResult.NO_TOKEN and self.whole_life:
+            admitted, state, granted = self.budget.add_req_whole_life(
+                available, req.match_len, extend_len, max_new
+            )
+            if not admitted:
+                state = self.core.AddReqResult.NO_TOKEN  # refused for memory: report the shortfall
+            else:
+                self.num_whole_life += 1
         if not admitted:
             if state == self.core.AddReqResult.NO_TOKEN:
                 self.shortfall = self.budget.shortfall(available, extend_len, max_new)
@@ -84,6 +95,13 @@ class PrefillAdder:
         self.entries.append(PrefillEntry(req, start, end))
         if end < req.fill_len:
             self.new_chunked_req = req
+
+    def undo_last(self) -> None:
+        """Take back the last admission (its budget charge stays: the pass ends)."""
+        e = self.entries.pop()
+        if self.new_chunked_req is e.req:
+            self.new_chunked_req = None
+        self.cache.unlock(e.req.match_node)
 
     def rollback(self) -> None:
         """Undo the locks of newly admitted requests (their batch could not be allocated)."""

@@ -35,6 +35,7 @@ class Req:
     extra_key: str | None = None
     logprob: LogprobOptions | None = None
     arrival_time: float = field(default_factory=time.monotonic)
+    priority: int = 0  # --enable-priority-scheduling (scheduler/priority.py)
 
     output_ids: list[int] = field(default_factory=list)
     finished_reason: dict[str, Any] | None = None

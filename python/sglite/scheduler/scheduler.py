@@ -44,13 +44,17 @@ from sglite.messages import (
     GetStatsReq,
     StatsResp,
 )
+from sglite.sampling_params import SamplingParams
 from sglite.scheduler.batch import ScheduleBatch
+from sglite.scheduler.chunk_sizer import build_sizer
 from sglite.scheduler.decode import DecodeManager
+from sglite.scheduler.decode_turns import DecodeTurns
 from sglite.scheduler.heap import trim_heap
 from sglite.scheduler.limits import RequestLimits
 from sglite.scheduler.output import OutputStreamer
 from sglite.scheduler.policy import SchedulePolicy
 from sglite.scheduler.prefill import PrefillManager
+from sglite.scheduler.priority import PriorityPreemptor
 from sglite.scheduler.req import Req, StopChecker
 from sglite.scheduler.results import ResultProcessor
 from sglite.scheduler.watchdog import NullWatchdog
@@ -86,7 +90,11 @@ class Scheduler:
         self.cache = build_cache_manager(
             args, core, allocator, req_to_token_pool, recorder, kv_pool, model_id
         )
-        self.policy = SchedulePolicy(args.schedule_policy, self.cache, core, args.random_seed)
+        sign = 1 if args.schedule_low_priority_values_first else -1
+        self.policy = SchedulePolicy(
+            args.schedule_policy, self.cache, core, args.random_seed,
+            priority_sign=sign if args.enable_priority_scheduling else 0,
+        )  # fmt: skip
         self.client = WorkerClient(worker, overlap=not args.disable_overlap_schedule)
         self.step = self.step_normal if args.disable_overlap_schedule else self.step_overlap
         self.limits = RequestLimits(context_length, allocator.capacity(), args.page_size, core)
@@ -120,8 +128,22 @@ class Scheduler:
         self.watchdog = watchdog or NullWatchdog()
         self.decode = DecodeManager(self.cache, args.schedule_conservativeness, self._free_kv)
         self.prefill = PrefillManager(
-            args, core, self.cache, self.policy, self.decode, self.max_running, self.counters
-        )
+            args, core, self.cache, self.policy, self.decode, self.max_running, self.counters,
+            agree=agree,
+        )  # fmt: skip
+        self.preemptor = None
+        if args.enable_priority_scheduling and not args.disable_priority_preemption:
+            self.preemptor = PriorityPreemptor(
+                core, self.cache, self.policy.rank,
+                args.priority_scheduling_preemption_threshold, self._free_kv, self.counters,
+            )  # fmt: skip
+        if args.enable_dynamic_chunking and args.chunking_enabled:
+            self.prefill.sizer = build_sizer(
+                args.chunked_prefill_size, args.page_size, context_length,
+                args.max_prefill_tokens, args.dynamic_chunking_smooth_factor,
+                self.time_prefill, agree,
+            )  # fmt: skip
+        self.turns = DecodeTurns(args.prefill_decode_interval, args.max_consecutive_prefill_batches)
 
     # ---------------------------------------------------------------- loops
     def event_loop(self, recv: Callable[[bool], list]) -> None:
@@ -209,6 +231,7 @@ class Scheduler:
             msg.stream,
             msg.extra_key,
             logprob=msg.logprob,
+            priority=msg.priority or 0,
         )
         req.wait_since_processed = self.processed_tokens
         error = self.limits.refusal(len(req.input_ids), req.max_new_tokens)
@@ -250,9 +273,16 @@ class Scheduler:
     def get_next_batch_to_run(self) -> ScheduleBatch | None:
         if self.grammars:
             self._admit_compiled()
-        batch = self.prefill.get_new_batch(self.waiting, self.running, self.processed_tokens)
+        if self.preemptor is not None and self.waiting:
+            victims = self.preemptor.make_room(self.waiting, self.running, self.decode.ratio.value)
+            self.waiting[:0] = sorted(victims, key=lambda r: r.arrival_time)
+        batch = None
+        if self.turns.may_prefill(bool(self.decode.decodable(self.running))):
+            batch = self.prefill.get_new_batch(self.waiting, self.running, self.processed_tokens)
         if batch is None:
             batch = self._decode_batch()
+        if batch is not None:
+            self.turns.ran(batch.mode.value != "decode")
         if batch is None and self.waiting and not self._holds_kv():
             self._refuse_head()
         return batch
@@ -310,6 +340,31 @@ class Scheduler:
         """Finish `req` with an error and tell its client at once."""
         self.finish(req, {"type": "abort", "message": message, "status_code": status_code})
         self.streamer.stream([req])
+
+    def time_prefill(self, length: int) -> float:
+        """One real prefill of `length` seeded random tokens alone, in ms (the dynamic chunk
+        sizer's start-up profile); its KV is freed, nothing is cached or counted."""
+        ids = np.random.default_rng(length).integers(0, 1000, length).tolist()
+        req = Req(f"profile-{length}", ids, SamplingParams(max_new_tokens=1))
+        self.cache.lock(req.match_node)  # the root: nothing matched, as admission locks it
+        if not self.cache.alloc_rows([req]):
+            raise RuntimeError("no request row for the start-up profile")
+        slots = self.cache.alloc_extend([req], [0], [length])
+        if slots is None:
+            self.cache.release(req, insert=False)
+            raise RuntimeError(f"no KV room for a {length}-token start-up profile prefill")
+        batch = ScheduleBatch([req], [0], [length], [False], out_cache_loc=slots)
+        batch.future_slots = self.client.future_slots(1)
+        fi = batch.forward_input({})
+        if self.cache.mirrored:
+            fi.table_rows = self.cache.table[fi.rows, :length].copy()
+        start = time.perf_counter()
+        self.client.launch(fi).result()
+        ms = (time.perf_counter() - start) * 1000
+        req.kv_len = length
+        self.cache.release(req, insert=False)
+        self.client.release([req.rid])
+        return ms
 
     def launch(self, batch: ScheduleBatch) -> Launched:
         batch.future_slots = self.client.future_slots(len(batch.reqs))
@@ -392,5 +447,6 @@ class Scheduler:
             **self.cache.tier.hit_tokens(c["num_cached_tokens_total"]),
             "waiting_hit_tokens": self.policy.waiting_hit_tokens(self.waiting),
             "new_token_ratio": self.decode.ratio.value,
+            **self.prefill.delayer.stats(),
             "uptime_s": time.monotonic() - self.started_at,
         }

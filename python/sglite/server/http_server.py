@@ -153,6 +153,8 @@ def create_app(tm: TokenizerManager, given_args: Any = None) -> FastAPI:
             req.rid,
             req.logprob_fields(),
         )
+        for p in prompts:
+            p.priority = req.priority
         if req.stream:
             states = await tm.submit(prompts, stream=True)
             return StreamingResponse(

@@ -38,6 +38,7 @@ class Prompt:
     sampling_params: SamplingParams
     input_text: str | None = None
     logprob: LogprobOptions | None = None
+    priority: int | None = None  # --enable-priority-scheduling
     chat_output: Any = None  # chat: the ChatPlan that reads the output (server/chat_request.py)
 
 

@@ -102,6 +102,8 @@ def _prompts_for(
         prompts += tm.inputs.make_prompts(
             ids, sp, n, param=param, text=text, rid=rid, max_param=max_param, logprob=logprob
         )
+    for p in prompts:
+        p.priority = req.priority
     return prompts, [len(ids) for ids, _, _ in token_lists]
 
 

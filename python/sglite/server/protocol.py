@@ -47,6 +47,7 @@ class GenerateRequest(_Request):
     top_logprobs_num: int | list[int] | None = None
     token_ids_logprob: list[int] | list[list[int]] | None = None
     return_text_in_logprobs: bool | None = None
+    priority: int | None = None  # --enable-priority-scheduling (all prompts of a batch)
 
     def logprob_fields(self) -> dict[str, Any]:
         return {
@@ -120,6 +121,7 @@ class _OpenAISampling(_Request):
     skip_special_tokens: bool | None = None
     no_stop_trim: bool | None = None
     rid: str | None = None
+    priority: int | None = None  # --enable-priority-scheduling
     # structured output
     response_format: ResponseFormat | None = None
     regex: str | None = None

@@ -278,6 +278,7 @@ class TokenizerManager(ControlRequests):
                         stream=stream,
                         input_text=p.input_text,
                         logprob=p.logprob,
+                        priority=p.priority,
                     )
                 )
         except BaseException:

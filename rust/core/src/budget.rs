@@ -11,6 +11,9 @@
 //!   reserves no decode tokens.
 //! - `max_new_tokens_limit`: the same rule for a prompt alone in an idle pool, for front ends.
 //! - `shortfall`: the tokens `available` lacks for `add_req` to admit a request now (0: it fits).
+//! - `whole_life_need` / `add_req_whole_life`: the starvation fix (scheduler/admission.py): a
+//!   request the memory rule refuses is admitted when its whole life fits in `available` beside
+//!   what everything charged can still grow while it lives (never cut).
 //! - `add_chunk`: the next slice of the request being chunked; it always progresses.
 //!
 //! Sizes are i64 at the edge and i128 inside, so no sum can overflow.
@@ -18,6 +21,9 @@
 use crate::error::{bad, CoreResult};
 
 pub const CLIP_MAX_NEW_TOKENS: i64 = 4096;
+/// Decode steps a request may outlive its max_new_tokens by in the scheduler's view (its finish
+/// is seen one step late under the overlap loop; the prefill step is one more).
+pub const LIFE_SLACK_STEPS: i64 = 2;
 
 /// The verdict for the next candidate (same integer values as the Python twin).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -36,6 +42,10 @@ pub struct PrefillBudget {
     total_offset: i128,
     current_offset: i128,
     num_admitted: u64,
+    /// remaining_new_tokens of the running batch (not clipped).
+    running_remaining: Vec<i128>,
+    /// (prompt still to come, max_new_tokens not clipped) of each charge in this batch.
+    charged_future: Vec<(i128, i128)>,
 }
 
 fn check_page_size(page_size: i64) -> CoreResult<i128> {
@@ -81,6 +91,8 @@ impl PrefillBudget {
             total_offset: mixed,
             current_offset: mixed,
             num_admitted: 0,
+            running_remaining: Vec::new(),
+            charged_future: Vec::new(),
         })
     }
 
@@ -147,6 +159,8 @@ impl PrefillBudget {
                 (tokens as f64 * new_token_ratio) as i128
             };
         }
+        self.running_remaining
+            .extend(remaining_new_tokens.iter().map(|&r| i128::from(r.max(0))));
         self.total_offset += reserved;
         Ok(reserved)
     }
@@ -170,7 +184,8 @@ impl PrefillBudget {
         if extend_len < 1 {
             return bad("extend_len must be >= 1: every admitted request computes a token".into());
         }
-        let mut max_new = size(max_new_tokens, "max_new_tokens")?.min(CLIP_MAX_NEW_TOKENS.into());
+        let max_new_full = size(max_new_tokens, "max_new_tokens")?;
+        let mut max_new = max_new_full.min(CLIP_MAX_NEW_TOKENS.into());
         if max_new > max_new_limit(available - self.total_offset, extend_len, self.ps) {
             return Ok((false, AddReqResult::NoToken, 0));
         }
@@ -192,7 +207,50 @@ impl PrefillBudget {
             }
         };
         self.reserve(granted, max_new);
+        self.charged_future
+            .push((extend_len - granted, max_new_full));
         Ok((true, self.state_of(available), granted))
+    }
+
+    /// The tokens this request needs free now for its whole life to fit beside everything
+    /// charged and what that can still grow while it lives; charges nothing.
+    pub fn whole_life_need(&self, extend_len: i64, max_new_tokens: i64) -> CoreResult<i128> {
+        let extend_len = size(extend_len, "extend_len")?;
+        if extend_len < 1 {
+            return bad("extend_len must be >= 1: every admitted request computes a token".into());
+        }
+        let max_new = size(max_new_tokens, "max_new_tokens")?;
+        Ok(self.life_need(extend_len, max_new))
+    }
+
+    /// Admit a request the memory rule refused when its whole life fits in `available`; never
+    /// cut. (admitted, state for the next one, granted extend length).
+    pub fn add_req_whole_life(
+        &mut self,
+        available: i64,
+        prefix_len: i64,
+        extend_len: i64,
+        max_new_tokens: i64,
+    ) -> CoreResult<(bool, AddReqResult, i128)> {
+        let available = size(available, "available")?;
+        size(prefix_len, "prefix_len")?;
+        let extend_len = size(extend_len, "extend_len")?;
+        if extend_len < 1 {
+            return bad("extend_len must be >= 1: every admitted request computes a token".into());
+        }
+        let max_new = size(max_new_tokens, "max_new_tokens")?;
+        if self.life_need(extend_len, max_new) > available {
+            return Ok((false, AddReqResult::NoToken, 0));
+        }
+        let paged = self.ceil_page(extend_len);
+        if self.rem_chunk.is_some_and(|c| paged > c)
+            || (self.num_admitted > 0 && paged >= self.rem_input)
+        {
+            return Ok((false, AddReqResult::Other, 0));
+        }
+        self.reserve(extend_len, max_new.min(CLIP_MAX_NEW_TOKENS.into()));
+        self.charged_future.push((0, max_new));
+        Ok((true, self.state_of(available), extend_len))
     }
 
     /// The tokens `available` lacks for `add_req` to admit this request now by the memory rule
@@ -230,7 +288,8 @@ impl PrefillBudget {
         let Some(chunk) = self.rem_chunk else {
             return bad("add_chunk needs a chunk budget (rem_chunk_tokens is None)".into());
         };
-        let mut max_new = size(max_new_tokens, "max_new_tokens")?.min(CLIP_MAX_NEW_TOKENS.into());
+        let max_new_full = size(max_new_tokens, "max_new_tokens")?;
+        let mut max_new = max_new_full.min(CLIP_MAX_NEW_TOKENS.into());
         let mut limit = chunk.min(available - self.total_offset);
         if limit <= 0 {
             limit = chunk;
@@ -248,6 +307,8 @@ impl PrefillBudget {
             }
         };
         self.reserve(granted, max_new);
+        self.charged_future
+            .push((remaining_len - granted, max_new_full));
         Ok((self.state_of(available), granted))
     }
 
@@ -271,6 +332,19 @@ impl PrefillBudget {
             *chunk -= paged;
         }
         self.num_admitted += 1;
+    }
+
+    fn life_need(&self, extend_len: i128, max_new: i128) -> i128 {
+        let life = max_new + i128::from(LIFE_SLACK_STEPS);
+        let ps = self.ps;
+        let mut need = self.current_offset + self.ceil_page(extend_len + max_new) + ps;
+        for &r in &self.running_remaining {
+            need += self.ceil_page(r.min(life)) + ps;
+        }
+        for &(pending, new) in &self.charged_future {
+            need += self.ceil_page(pending) + self.ceil_page(new.min(life)) + ps;
+        }
+        need
     }
 
     fn ceil_page(&self, n: i128) -> i128 {

@@ -181,6 +181,48 @@ impl PyPrefillBudget {
             .map_err(core_err)
     }
 
+    /// The tokens a request needs free now for its whole life to fit (charges nothing).
+    fn whole_life_need(
+        &self,
+        extend_len: &Bound<'_, PyAny>,
+        max_new_tokens: &Bound<'_, PyAny>,
+    ) -> PyResult<i128> {
+        let extend_len = as_size(extend_len, "extend_len")?;
+        if extend_len < 1 {
+            return Err(value_error(
+                "extend_len must be >= 1: every admitted request computes a token",
+            ));
+        }
+        let max_new = as_size(max_new_tokens, "max_new_tokens")?;
+        self.inner
+            .whole_life_need(extend_len, max_new)
+            .map_err(core_err)
+    }
+
+    /// Admit a request the memory rule refused when its whole life fits: (admitted, state, granted).
+    fn add_req_whole_life(
+        &mut self,
+        available: &Bound<'_, PyAny>,
+        prefix_len: &Bound<'_, PyAny>,
+        extend_len: &Bound<'_, PyAny>,
+        max_new_tokens: &Bound<'_, PyAny>,
+    ) -> PyResult<(bool, u8, i128)> {
+        let available = as_size(available, "available")?;
+        let prefix_len = as_size(prefix_len, "prefix_len")?;
+        let extend_len = as_size(extend_len, "extend_len")?;
+        if extend_len < 1 {
+            return Err(value_error(
+                "extend_len must be >= 1: every admitted request computes a token",
+            ));
+        }
+        let max_new = as_size(max_new_tokens, "max_new_tokens")?;
+        let (admitted, state, granted) = self
+            .inner
+            .add_req_whole_life(available, prefix_len, extend_len, max_new)
+            .map_err(core_err)?;
+        Ok((admitted, state as u8, granted))
+    }
+
     /// Charge the next slice of the request being chunked: (state for the next one, granted).
     fn add_chunk(
         &mut self,

@@ -141,3 +141,35 @@ fn bad_sizes_are_rejected() {
     assert!(b.add_req(10, 0, 0, 0).is_err());
     assert!(b.state(-1).is_err());
 }
+
+#[test]
+fn whole_life_counts_what_everyone_grows_while_it_lives() {
+    let mut b = PrefillBudget::new(1, 10_000, None, 0).unwrap();
+    b.reserve_running(&[5000, 3, 5000], &[true, true, true], 1.0)
+        .unwrap();
+    // 8 + 8 + 1 for itself; each running one min(remaining, 8 + 2) + 1.
+    assert_eq!(b.whole_life_need(8, 8).unwrap(), 17 + 11 + 4 + 11);
+    // The memory rule refuses it (room 43 - 8192 < 0); the whole-life rule admits it.
+    assert_eq!(
+        b.add_req(43, 0, 8, 8).unwrap(),
+        (false, AddReqResult::NoToken, 0)
+    );
+    assert_eq!(
+        b.add_req_whole_life(42, 0, 8, 8).unwrap(),
+        (false, AddReqResult::NoToken, 0)
+    );
+    let (ok, _, granted) = b.add_req_whole_life(43, 0, 8, 8).unwrap();
+    assert!(ok && granted == 8);
+    assert_eq!(b.current_offset(), 9);
+    // The next one also counts the first one's life.
+    assert_eq!(b.whole_life_need(8, 8).unwrap(), 9 + 17 + 26 + 8 + 1);
+}
+
+#[test]
+fn whole_life_never_cuts() {
+    let mut b = PrefillBudget::new(4, 10_000, Some(16), 0).unwrap();
+    assert_eq!(
+        b.add_req_whole_life(10_000, 0, 17, 1).unwrap(),
+        (false, AddReqResult::Other, 0)
+    );
+}
